@@ -1,0 +1,133 @@
+"""Pieces every command shares: name options, config files, log prefixes, plan rendering."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from areal_cli import settings
+from areal_cli.errors import UsageError
+
+ExperimentOpt = typer.Option(
+    settings.DEFAULT_EXPERIMENT, "--experiment", "-e", help="Experiment name (registry and logs)."
+)
+TrialOpt = typer.Option(settings.DEFAULT_TRIAL, "--trial", "-t", help="Trial name.")
+HomeOpt = typer.Option(
+    None, "--home", help="Job records and logs [env AREAL_HOME; default ~/.cache/areal]."
+)
+RegistryOpt = typer.Option(
+    None,
+    "--registry",
+    help=f"Registry root [env AREAL_REGISTRY; default {settings.DEFAULT_REGISTRY}].",
+)
+JsonOpt = typer.Option(False, "--json", help="Machine-readable output on stdout.")
+
+COLORS = [
+    "cyan",
+    "magenta",
+    "green",
+    "yellow",
+    "blue",
+    "bright_red",
+    "bright_cyan",
+    "bright_magenta",
+]
+
+
+def check_name(kind: str, value: str) -> str:
+    ok = value and all(c.isalnum() or c in "-_." for c in value) and not value.startswith(".")
+    if not ok:
+        raise UsageError(
+            f"{kind} name {value!r} is not usable", hint="use letters, digits, '-', '_' and '.'"
+        )
+    return value
+
+
+def load_config(path: Path | None, allowed: set[str]) -> dict[str, Any]:
+    """A job YAML whose keys are the command's long flags (dashes or underscores)."""
+    if path is None:
+        return {}
+    import yaml
+
+    if not path.is_file():
+        raise UsageError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise UsageError(f"config file {path} is not valid YAML{where}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"config file {path} must hold a mapping of flag: value")
+    out = {}
+    for k, v in data.items():
+        key = str(k).replace("-", "_")
+        if key not in allowed:
+            raise UsageError(
+                f"config file {path}: unknown key {k!r}",
+                hint="known keys: " + ", ".join(sorted(allowed)),
+            )
+        out[key] = v
+    return out
+
+
+def pick(flag_value, config: dict, key: str, default):
+    """Flags beat the config file, which beats the default."""
+    if flag_value is not None:
+        return flag_value
+    return config.get(key, default)
+
+
+class LinePrinter:
+    """Prints process output with a stable coloured [label] prefix per process."""
+
+    def __init__(self, console):
+        self.console = console
+        self.colors: dict[str, str] = {}
+
+    def __call__(self, label: str, line: str) -> None:
+        from rich.markup import escape
+
+        color = self.colors.setdefault(label, COLORS[len(self.colors) % len(COLORS)])
+        self.console.print(f"[{color}]\\[{label}][/] {escape(line)}")
+
+
+def render_plan(plan, console) -> None:
+    """The plan as a newcomer reads it: one block per process, argv copy-pasteable."""
+    import shlex
+
+    from rich.markup import escape
+
+    console.print(
+        f"[bold]plan[/] {plan.experiment}/{plan.trial} ({plan.kind})\n"
+        f"  logs      {plan.log_dir}\n  registry  {plan.registry}\n"
+        f"  api key   {'set (not shown)' if plan.api_key else 'none'}"
+    )
+    for p in plan.to_json()["processes"]:
+        addr = f"  http://{p['host']}:{p['port']}" if p.get("port") else ""
+        gpus_ = ",".join(map(str, p["gpus"])) or "cpu"
+        console.print(f"[bold cyan]{p['role']}-{p['index']}[/]{addr}  GPUs {gpus_}")
+        console.print(f"  argv  {escape(shlex.join(p['argv']))}")
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(p["env"].items()))
+        console.print(f"  env   {escape(env)}")
+        console.print(f"  log   {p['log_path']}")
+
+
+def forward_signals(supervisor) -> None:
+    """Ctrl-C and SIGTERM ask the supervisor to tear down; a second Ctrl-C does too."""
+
+    def handler(signum, _frame):
+        supervisor.request_stop("interrupted" if signum == signal.SIGINT else "terminated")
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def python_default() -> str:
+    import sys
+
+    return os.environ.get("AREAL_PYTHON") or sys.executable

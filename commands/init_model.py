@@ -1,0 +1,12 @@
+"""`areal init-model` (being built)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("init-model")
+    def _cmd() -> None:
+        """Not built yet."""
+        raise typer.Exit(2)

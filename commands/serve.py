@@ -1,0 +1,255 @@
+"""`areal serve`: start inference servers, health-gate them, register them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from areal_cli import console, settings
+from areal_cli.errors import UsageError
+
+from ._common import (
+    ExperimentOpt,
+    HomeOpt,
+    JsonOpt,
+    LinePrinter,
+    RegistryOpt,
+    TrialOpt,
+    check_name,
+    forward_signals,
+    load_config,
+    pick,
+    python_default,
+    render_plan,
+)
+
+CONFIG_KEYS = {
+    "backend", "model", "alloc", "dp", "tp", "experiment", "trial", "host", "port_base",
+    "gpus", "health_timeout", "python", "api_key", "seed", "extra_args",
+}  # fmt: skip
+
+HELP = """Start SGLang, vLLM or hf inference servers, wait until healthy, register them.
+
+Each replica gets its own GPUs (CUDA_VISIBLE_DEVICES slices) and port; logs go to the
+terminal with a [server-N] prefix and to one file per replica. Registered servers are
+what `areal train` discovers under the same --experiment/--trial.
+
+Examples:
+
+  areal serve --backend sglang --model /models/Qwen2.5-1.5B --alloc sglang:d4t1
+
+  areal serve --backend hf --model ./tiny --detach          # CPU, returns when healthy
+
+  areal serve --model /models/m --dp 2 --tp 2 --dry-run     # print the plan only
+
+  areal serve --backend vllm --model /models/m -- --max-model-len 4096
+"""
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(
+        "serve",
+        help=HELP,
+        context_settings={"allow_extra_args": True},
+        no_args_is_help=True,
+    )
+    def serve(
+        ctx: typer.Context,
+        model: str = typer.Option(None, "--model", "-m", help="Model directory."),
+        backend: str = typer.Option(
+            None,
+            "--backend",
+            "-b",
+            help="sglang | vllm | hf [default: from --alloc; sglang with GPUs, hf without].",
+        ),
+        alloc: str = typer.Option(None, "--alloc", "-a", help="Allocation, e.g. sglang:d2t2."),
+        dp: int = typer.Option(None, "--dp", min=1, help="Replicas (instead of --alloc)."),
+        tp: int = typer.Option(None, "--tp", min=1, help="Tensor parallel GPUs per replica."),
+        experiment: str = ExperimentOpt,
+        trial: str = TrialOpt,
+        host: str = typer.Option(None, "--host", help="Bind address [default 127.0.0.1]."),
+        port_base: int = typer.Option(
+            None,
+            "--port-base",
+            min=1,
+            max=65535,
+            help="First port; must be free [default: find free ports from 30000].",
+        ),
+        gpus: str = typer.Option(
+            None,
+            "--gpus",
+            help="GPU ids to use, e.g. 0,1,2,3 [default: CUDA_VISIBLE_DEVICES, else nvidia-smi].",
+        ),
+        registry: Path = RegistryOpt,
+        home: Path = HomeOpt,
+        config: Path = typer.Option(None, "--config", "-c", help="Job YAML; keys are these flags."),
+        detach: bool = typer.Option(
+            False, "--detach", "-d", help="Return once every replica is healthy."
+        ),
+        dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and start nothing."),
+        health_timeout: float = typer.Option(
+            None, "--health-timeout", min=0.1, help="Seconds to wait for health [default 600]."
+        ),
+        python: str = typer.Option(
+            None, "--python", help="Interpreter that runs the servers (their own virtualenv)."
+        ),
+        api_key: str = typer.Option(
+            None,
+            "--api-key",
+            help="auto (a key when bound beyond loopback) | none | KEY [default auto].",
+        ),
+        seed: int = typer.Option(
+            None, "--seed", help="Random seed given to each server [default 1]."
+        ),
+        json_out: bool = JsonOpt,
+    ) -> None:
+        from areal_cli import planner
+        from areal_cli.alloc import parse
+        from areal_cli.spec import JobSpec, ServerRole
+
+        cfg = load_config(config, CONFIG_KEYS)
+        model = pick(model, cfg, "model", None)
+        if not model:
+            raise UsageError("--model is required", hint="areal serve --model /path/to/model")
+        alloc = pick(alloc, cfg, "alloc", None)
+        backend = pick(backend, cfg, "backend", None)
+        dp, tp = pick(dp, cfg, "dp", None), pick(tp, cfg, "tp", None)
+        pp = 1
+        if alloc:
+            if dp or tp:
+                raise UsageError("give either --alloc or --dp/--tp, not both")
+            a = parse(alloc)
+            if a.train is not None:
+                raise UsageError(
+                    f"--alloc {alloc} has a train component ({a.train.backend}); serve starts servers only",
+                    hint="start training with `areal train --alloc " + alloc + " SCRIPT`",
+                )
+            if len(a.inference) != 1:
+                raise UsageError("serve takes one inference component", hint="e.g. sglang:d2t2")
+            comp = a.inference[0]
+            if backend and backend != comp.backend:
+                raise UsageError(f"--backend {backend} disagrees with --alloc {alloc}")
+            backend, dp, tp, pp = comp.backend, comp.d, comp.t, comp.p
+        gpus_flag = pick(gpus, cfg, "gpus", None)
+        if not backend:
+            from areal_cli import gpus as gpus_mod
+
+            backend = "sglang" if gpus_mod.detect(gpus_flag and str(gpus_flag)).gpus else "hf"
+        extra = list(ctx.args) or [str(x) for x in cfg.get("extra_args", [])]
+        role = ServerRole(
+            backend=backend,
+            model_path=str(Path(model).expanduser().resolve()),
+            replicas=dp or 1,
+            tp=tp or 1,
+            pp=pp,
+            host=pick(host, cfg, "host", "127.0.0.1"),
+            port_base=pick(port_base, cfg, "port_base", None),
+            python=pick(python, cfg, "python", None) or python_default(),
+            extra_args=tuple(extra),
+            seed=int(pick(seed, cfg, "seed", 1)),
+        )
+        experiment = check_name(
+            "experiment",
+            pick(_given(experiment, settings.DEFAULT_EXPERIMENT), cfg, "experiment", experiment),
+        )
+        trial = check_name(
+            "trial", pick(_given(trial, settings.DEFAULT_TRIAL), cfg, "trial", trial)
+        )
+        spec = JobSpec(
+            experiment=experiment,
+            trial=trial,
+            servers=role,
+            alloc=alloc or f"{backend}:d{role.replicas}t{role.tp}" + (f"p{pp}" if pp > 1 else ""),
+            gpus_flag=None if gpus_flag is None else str(gpus_flag),
+            api_key=str(pick(api_key, cfg, "api_key", "auto")),
+            health_timeout=float(pick(health_timeout, cfg, "health_timeout", 600.0)),
+        )
+        home_dir, reg_root = settings.home(home), settings.registry_root(registry)
+        plan = planner.plan(spec, home_dir, reg_root, check_packages=True)
+        if dry_run:
+            if json_out:
+                console.print_json(plan.to_json())
+            else:
+                render_plan(plan, console.out)
+            return
+        if detach:
+            _run_detached(plan, home_dir, json_out)
+        else:
+            _run_foreground(plan, home_dir, json_out)
+
+
+def _given(value: str, default: str) -> str | None:
+    """None when the flag was left at its default, so a config file may set it."""
+    return None if value == default else value
+
+
+def _run_detached(plan, home_dir, json_out: bool) -> None:
+    from areal_cli import launch
+
+    daemon = launch.spawn_detached(plan, home_dir)
+    n = len(plan.servers)
+
+    with console.err.status(
+        f"starting {n} server(s) for {plan.experiment}/{plan.trial} ..."
+    ) as status:
+
+        def progress(rec) -> None:
+            if rec is not None and rec.marker == plan.marker:
+                status.update(
+                    f"{plan.experiment}/{plan.trial}: {rec.state}, {len(rec.processes)}/{n} spawned"
+                )
+
+        rec = launch.wait_detached(plan, home_dir, daemon, progress)
+    servers = [
+        {"addr": p.addr, "pid": p.pid, "gpus": p.gpus, "log": p.log}
+        for p in rec.processes
+        if p.role == "server"
+    ]
+    if json_out:
+        console.print_json(
+            {
+                "experiment": rec.experiment,
+                "trial": rec.trial,
+                "state": rec.state,
+                "supervisor_pid": rec.supervisor_pid,
+                "servers": servers,
+                "log_dir": rec.log_dir,
+            }
+        )
+        return
+    console.out.print(
+        f"[green]ready[/] {rec.name}: {len(servers)} server(s) healthy and registered"
+    )
+    for s in servers:
+        console.out.print(
+            f"  http://{s['addr']}  pid {s['pid']}  gpus {s['gpus'] or 'cpu'}  log {s['log']}"
+        )
+    console.out.print(f"stop with: areal stop {rec.name}")
+
+
+def _run_foreground(plan, home_dir, json_out: bool) -> None:
+    from areal_cli.supervisor import Supervisor
+
+    printer = LinePrinter(console.err)
+
+    def on_event(kind: str, info: dict) -> None:
+        if kind == "healthy":
+            console.err.print(f"[green]healthy[/] {info['label']} at http://{info['addr']}")
+        elif kind == "ready":
+            console.err.print(
+                f"[bold green]ready[/] {plan.experiment}/{plan.trial}: {len(info['servers'])} server(s) registered; Ctrl-C stops them"
+            )
+            if json_out:
+                console.print_json(
+                    {"experiment": plan.experiment, "trial": plan.trial, "servers": info["servers"]}
+                )
+        elif kind == "server_lost":
+            console.err.print(f"[red]lost[/] {info['label']} ({info['why']}); deregistered")
+        elif kind == "stopping":
+            console.err.print(f"[yellow]stopping[/] {plan.experiment}/{plan.trial}")
+
+    sup = Supervisor(plan, home_dir, on_event=on_event, on_line=printer)
+    forward_signals(sup)
+    code = sup.run()
+    raise typer.Exit(code)

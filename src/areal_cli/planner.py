@@ -1,0 +1,205 @@
+"""Scheduler.plan for one host: turn a JobSpec into concrete processes.
+
+Assigns CUDA_VISIBLE_DEVICES slices, ports, log paths, the API key and each process's
+environment. Checks what can be checked without starting anything (GPUs, ports, packages),
+so `--dry-run` shows exactly what would run.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import secrets
+import sys
+import uuid
+from pathlib import Path
+
+from areal_cli import backends, gpus, procs, settings
+from areal_cli.errors import UsageError
+from areal_cli.registry import FileRegistry
+from areal_cli.spec import JobSpec, Plan, ProcessPlan, ServerRole, TrainerRole
+
+DEFAULT_PORT_BASE = 30000
+MARKER_PREFIX = "areal"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve_api_key(flag: str, host: str, key_file: Path) -> str | None:
+    """`auto`: a generated key when bound beyond loopback; `none`: no key; else the key."""
+    if flag == "none":
+        return None
+    if flag == "auto":
+        if is_loopback(host):
+            return None
+        return secrets.token_urlsafe(24)
+    return flag
+
+
+def held_gpus(registry: FileRegistry) -> dict[int, str]:
+    """GPU index → "E/T addr" for live registered servers on this host."""
+    held: dict[int, str] = {}
+    me = settings.hostname()
+    for e in registry.list().servers:
+        if e.host == me:
+            for g in e.gpus:
+                held[g] = f"{e.experiment}/{e.trial} {e.addr}"
+    return held
+
+
+def plan(spec: JobSpec, home: Path, registry_root: Path, check_packages: bool = True) -> Plan:
+    log_dir = settings.log_dir(home, spec.experiment, spec.trial)
+    registry = FileRegistry(registry_root)
+    marker = f"{MARKER_PREFIX}-{spec.experiment}-{spec.trial}-{uuid.uuid4().hex[:8]}"
+    job_dir = home / "jobs" / settings.user() / spec.experiment / spec.trial
+    p = Plan(
+        experiment=spec.experiment,
+        trial=spec.trial,
+        kind=spec.kind,
+        log_dir=str(log_dir),
+        registry=str(registry_root),
+        marker=marker,
+        alloc=spec.alloc,
+        health_timeout=spec.health_timeout,
+    )
+    inventory = gpus.detect(spec.gpus_flag)
+    held = held_gpus(registry) if inventory.gpus else {}
+    free = [g for g in inventory.ids if g not in held]
+
+    if spec.servers:
+        role = spec.servers
+        key = resolve_api_key(spec.api_key, role.host, job_dir / "api_key")
+        if key:
+            p.api_key = key
+            p.api_key_file = str(job_dir / "api_key")
+        free = _plan_servers(p, role, inventory, free, held, log_dir, check_packages)
+        p.model_path, p.tp = role.model_path, role.tp
+    if spec.trainer:
+        _plan_trainer(p, spec, spec.trainer, inventory, free, held, log_dir)
+    return p
+
+
+def _plan_servers(p, role: ServerRole, inventory, free, held, log_dir, check_packages):
+    backend = backends.get(role.backend)
+    if not Path(role.model_path).exists():
+        raise UsageError(
+            f"model path {role.model_path} does not exist",
+            hint="give a local model directory; `areal init-model DIR` writes a tiny one",
+        )
+    on_gpu = bool(inventory.gpus)
+    need = role.replicas * role.gpus_per_replica
+    if backend.needs_gpu and not on_gpu:
+        raise UsageError(
+            f"{role.backend} needs GPUs and this host has none ({_source(inventory)})",
+            hint="the hf backend runs on CPU: --backend hf; or pass --gpus 0,1,...",
+        )
+    if role.backend == "hf" and role.gpus_per_replica != 1:
+        raise UsageError(
+            "the hf backend runs one replica per GPU (t1p1)",
+            hint="use d to add replicas, e.g. --alloc hf:d2",
+        )
+    if on_gpu and need > len(free):
+        raise UsageError(
+            f"the plan needs {need} GPUs ({role.replicas} replicas x {role.gpus_per_replica}), "
+            f"but only {len(free)} are free ({_source(inventory)}: {inventory.ids})",
+            hint=_held_hint(held) or "lower d/t, or pass --gpus with more devices",
+        )
+    if check_packages:
+        backends.check_installed(backend, role.python)
+    ports = _ports(role, role.replicas)
+    for i in range(role.replicas):
+        slice_ = free[i * role.gpus_per_replica : (i + 1) * role.gpus_per_replica] if on_gpu else []
+        env = {
+            "CUDA_VISIBLE_DEVICES": ",".join(map(str, slice_)) if on_gpu else "",
+            "PYTHONUNBUFFERED": "1",
+        }
+        p.processes.append(
+            ProcessPlan(
+                role="server",
+                index=i,
+                argv=backend.argv(role, ports[i], p.api_key, on_gpu),
+                env=env,
+                gpus=slice_,
+                log_path=str(log_dir / f"server-{i}.log"),
+                host=role.host,
+                port=ports[i],
+                backend=role.backend,
+                health_path=backend.health_path,
+            )
+        )
+    return free[need:] if on_gpu else free
+
+
+def _plan_trainer(p, spec: JobSpec, t: TrainerRole, inventory, free, held, log_dir):
+    on_gpu = bool(inventory.gpus)
+    if on_gpu and t.nproc > len(free):
+        raise UsageError(
+            f"training needs {t.nproc} GPUs on this node but only {len(free)} are free "
+            f"({_source(inventory)}: {inventory.ids})",
+            hint=_held_hint(held) or "lower the fsdp world size or pass --gpus",
+        )
+    cap = int(os.environ.get("AREAL_MAX_CPU_RANKS", max(8, os.cpu_count() or 1)))
+    if not on_gpu and t.nproc > cap:
+        raise UsageError(
+            f"{t.nproc} ranks on CPU is more than this host allows ({cap}, no GPU found)",
+            hint="lower d/t/c, or set AREAL_MAX_CPU_RANKS if you really mean it",
+        )
+    slice_ = free[: t.nproc] if on_gpu else []
+    master_port = t.master_port or procs.free_ports(1, "127.0.0.1", start=29500)[0]
+    argv = [t.python or sys.executable, "-m", "torch.distributed.run"]
+    argv += ["--nnodes", str(t.nnodes), "--node-rank", str(t.node_rank)]
+    argv += ["--nproc-per-node", str(t.nproc)]
+    argv += ["--master-addr", t.master_addr, "--master-port", str(master_port)]
+    # Per-rank output comes back through torchrun's stdout with a [defaultN]: prefix,
+    # which the supervisor splits into one log file per rank.
+    argv += ["--tee", "3", "--log-dir", str(Path(p.log_dir) / "torchrun")]
+    argv += [t.script, *t.script_args]
+    env = dict(t.env)
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slice_)) if on_gpu else ""
+    env["PYTHONUNBUFFERED"] = "1"
+    p.processes.append(
+        ProcessPlan(
+            role="trainer",
+            index=0,
+            argv=argv,
+            env=env,
+            gpus=slice_,
+            log_path=str(log_dir / "torchrun.log"),
+        )
+    )
+
+
+def _ports(role: ServerRole, n: int) -> list[int]:
+    if role.port_base is None:
+        return procs.free_ports(n, role.host, start=DEFAULT_PORT_BASE)
+    ports = list(range(role.port_base, role.port_base + n))
+    for port in ports:
+        if port > 65535:
+            raise UsageError(f"port {port} is out of range", hint="pick a lower --port-base")
+        if not procs.port_free(port, role.host):
+            who = procs.port_holder(port) or "another process"
+            raise UsageError(
+                f"port {port} (--port-base {role.port_base}) is in use by {who}",
+                hint="stop that process or pick another --port-base; without it free ports are found",
+            )
+    return ports
+
+
+def _source(inv) -> str:
+    return {"none": "no --gpus, no CUDA_VISIBLE_DEVICES, no nvidia-smi"}.get(
+        inv.source, f"from {inv.source}"
+    )
+
+
+def _held_hint(held: dict[int, str]) -> str | None:
+    if not held:
+        return None
+    parts = [f"GPU {g}: {who}" for g, who in sorted(held.items())]
+    return "held by registered servers: " + "; ".join(parts)

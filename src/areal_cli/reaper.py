@@ -1,0 +1,59 @@
+"""Watchdog started beside every supervisor: when the supervisor dies without tearing down
+(SIGKILL, OOM killer), it kills everything the job started and cleans the registry.
+
+    python -m areal_cli.reaper --parent PID --parent-create-time T --marker M \
+        --home H --experiment E --trial T --registry R
+
+It runs in a session of its own and does not carry the job marker, so it survives the
+supervisor and never kills itself. A SIGTERM (normal teardown) makes it exit quietly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from areal_cli import jobs, procs
+from areal_cli.registry import FileRegistry
+
+
+def cleanup(marker: str, home: Path, experiment: str, trial: str, registry_root: Path) -> None:
+    procs.kill_job(marker, grace=3.0)
+    reg = FileRegistry(registry_root)
+    for e in reg.list(experiment, trial, include_dead=True).servers:
+        if e.managed and e.job == f"{experiment}/{trial}":
+            reg.deregister(experiment, trial, e.id)
+    try:
+        rec = jobs.load(home, experiment, trial)
+    except Exception:
+        return
+    if rec.marker == marker and rec.state in ("starting", "running", "stopping"):
+        rec.state = "killed"
+        rec.message = "the supervisor died; the watchdog tore the job down"
+        jobs.write(home, rec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m areal_cli.reaper")
+    ap.add_argument("--parent", type=int, required=True)
+    ap.add_argument("--parent-create-time", type=float, default=None)
+    ap.add_argument("--marker", required=True)
+    ap.add_argument("--home", required=True)
+    ap.add_argument("--experiment", required=True)
+    ap.add_argument("--trial", required=True)
+    ap.add_argument("--registry", required=True)
+    args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while procs.pid_alive(args.parent, args.parent_create_time):
+        time.sleep(0.2)
+    cleanup(args.marker, Path(args.home), args.experiment, args.trial, Path(args.registry))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""`python -m areal_cli.server`: the hf reference inference server.
+
+    python -m areal_cli.server --model-path ./tiny --port 30000
+    python -m areal_cli.server --model-path ./tiny --port 0 --seed 1 --api-key secret
+
+The port is bound before the model loads, so /health answers 503 at once and 200 when the
+server is ready; then one line "ready: model=... on DEVICE at URL" goes to stdout.
+SIGTERM or SIGINT aborts running generation and exits 0 within about a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+from typing import Any
+
+log = logging.getLogger("areal.server")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m areal_cli.server",
+        description="Reference inference server (transformers, CPU or one GPU) speaking the "
+        "SGLang-native HTTP subset plus OpenAI /v1/completions.",
+    )
+    p.add_argument("--model-path", required=True, help="HF checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
+    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=5.0,
+        help="how long the first request of a batch waits for company",
+    )
+    p.add_argument("--served-model-name", default=None, help="model id for /v1 (default: path)")
+    return p.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from areal_cli.server.app import ServerState, build_app
+    from areal_cli.server.batcher import Batcher, in_thread
+    from areal_cli.server.engine import Engine
+
+    engine = Engine(args.model_path, device=args.device, dtype=args.dtype)
+    batcher = Batcher(
+        engine,
+        max_batch_size=args.max_batch_size,
+        batch_window_s=args.batch_window_ms / 1000,
+        seed=args.seed,
+    )
+    public_args = {k: v for k, v in vars(args).items() if k != "api_key"}
+    state = ServerState(
+        engine=engine,
+        batcher=batcher,
+        args=public_args,
+        served_model_name=args.served_model_name or args.model_path,
+        api_key=args.api_key,
+    )
+    runner = web.AppRunner(build_app(state), access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as e:
+        log.error("cannot listen on %s:%s: %s", args.host, args.port, e)
+        await runner.cleanup()
+        return 1
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    url = f"http://{_url_host(args.host)}:{port}"
+    log.info("listening at %s; loading %s", url, args.model_path)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def load() -> None:
+        started = time.perf_counter()
+        await in_thread(engine.load)
+        state.ready = True
+        log.info(
+            "ready: model=%s on %s at %s (loaded in %.1fs)",
+            args.model_path,
+            engine.device,
+            url,
+            time.perf_counter() - started,
+        )
+        await batcher.run()
+
+    worker = asyncio.create_task(load())
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({worker, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if worker.done() and not worker.cancelled() and worker.exception() is not None:
+        exc = worker.exception()
+        log.error("cannot load %s: %s: %s", args.model_path, type(exc).__name__, exc)
+        code = 1
+    else:
+        log.info("shutting down")
+    state.ready = False
+    # Running generation stops at its next step; waiting clients get an 'abort' answer.
+    await batcher.close()
+    for task in (worker, stopper):
+        task.cancel()
+    await asyncio.gather(worker, stopper, return_exceptions=True)
+    await runner.cleanup()
+    return code
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "::", ""):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    logging.getLogger("aiohttp").setLevel(logging.WARNING)
+    args = parse_args(argv)
+    code: Any = asyncio.run(serve(args))
+    sys.stdout.flush()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Where things live: defaults from the environment, one place for every command."""
+
+from __future__ import annotations
+
+import getpass
+import os
+import socket
+from pathlib import Path
+
+DEFAULT_REGISTRY = "/tmp/areal/name_resolve"
+# Same defaults for every command, so `areal serve` then `areal train` meet each other.
+DEFAULT_EXPERIMENT = "default"
+DEFAULT_TRIAL = "trial0"
+
+
+def user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no passwd entry in some containers
+        return str(os.getuid())
+
+
+def hostname() -> str:
+    return socket.gethostname()
+
+
+def home(override: str | Path | None = None) -> Path:
+    """AREAL_HOME: job records and logs."""
+    if override:
+        return Path(override).expanduser().resolve()
+    env = os.environ.get("AREAL_HOME")
+    if env:
+        return Path(env).expanduser().resolve()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "areal"
+
+
+def registry_root(override: str | Path | None = None) -> Path:
+    """AREAL_REGISTRY: the name_resolve root that AReaL's NFS backend also reads."""
+    if override:
+        return Path(override).expanduser().resolve()
+    return Path(os.environ.get("AREAL_REGISTRY") or DEFAULT_REGISTRY).expanduser().resolve()
+
+
+def log_dir(home_dir: Path, experiment: str, trial: str) -> Path:
+    return home_dir / "logs" / user() / experiment / trial

@@ -1,0 +1,131 @@
+"""Pure data: what a job is (JobSpec) and the concrete processes it becomes (Plan).
+
+flags + YAML → JobSpec → Scheduler.plan() → Plan → Supervisor.run() → registry.
+Nothing here starts a process or touches the network.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class ServerRole:
+    """d replicas of one inference backend, each on gpus_per_replica GPUs."""
+
+    backend: str  # sglang | vllm | hf
+    model_path: str
+    replicas: int
+    tp: int = 1
+    pp: int = 1
+    host: str = "127.0.0.1"
+    port_base: int | None = None  # explicit: ports port_base.. must be free
+    python: str = ""  # interpreter that runs the server (its own virtualenv)
+    extra_args: tuple[str, ...] = ()
+    seed: int = 1
+    name: str | None = None
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class TrainerRole:
+    """torchrun workers for one train component."""
+
+    script: str
+    script_args: tuple[str, ...]
+    nproc: int
+    alloc: str
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    python: str = ""
+    env: tuple[tuple[str, str], ...] = ()  # extra environment for the workers
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    experiment: str
+    trial: str
+    servers: ServerRole | None = None
+    trainer: TrainerRole | None = None
+    alloc: str | None = None
+    gpus_flag: str | None = None  # --gpus as given
+    api_key: str = "none"  # "auto" | "none" | a key
+    health_timeout: float = 600.0
+    # Servers a training-only job found in the registry or got from --servers.
+    external_servers: tuple[str, ...] = ()
+    external_backend: str | None = None
+
+    @property
+    def kind(self) -> str:
+        if self.servers and self.trainer:
+            return "serve+train"
+        return "serve" if self.servers else "train"
+
+
+@dataclass
+class ProcessPlan:
+    role: str  # "server" | "trainer"
+    index: int
+    argv: list[str]
+    env: dict[str, str]  # added on top of the caller's environment
+    gpus: list[int]
+    log_path: str
+    host: str | None = None
+    port: int | None = None
+    backend: str | None = None
+    health_path: str | None = None  # polled until 200 before the process counts as ready
+
+    @property
+    def label(self) -> str:
+        return f"{self.role}-{self.index}"
+
+    @property
+    def addr(self) -> str | None:
+        return f"{self.host}:{self.port}" if self.port else None
+
+
+@dataclass
+class Plan:
+    experiment: str
+    trial: str
+    kind: str
+    log_dir: str
+    registry: str
+    marker: str
+    alloc: str | None = None
+    processes: list[ProcessPlan] = field(default_factory=list)
+    api_key: str | None = None  # never printed; the plan shows whether one is set
+    api_key_file: str | None = None
+    health_timeout: float = 600.0
+    model_path: str | None = None
+    tp: int = 1
+
+    @property
+    def servers(self) -> list[ProcessPlan]:
+        return [p for p in self.processes if p.role == "server"]
+
+    @property
+    def trainers(self) -> list[ProcessPlan]:
+        return [p for p in self.processes if p.role == "trainer"]
+
+    def to_json(self, redact: bool = True) -> dict:
+        d = asdict(self)
+        if redact and self.api_key:
+            d["api_key"] = "<set>"
+            for p in d["processes"]:
+                p["argv"] = [("<api-key>" if a == self.api_key else a) for a in p["argv"]]
+                p["env"] = {
+                    k: ("<api-key>" if v == self.api_key else v) for k, v in p["env"].items()
+                }
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> Plan:
+        d = dict(d)
+        d["processes"] = [ProcessPlan(**p) for p in d.get("processes", [])]
+        return cls(**d)

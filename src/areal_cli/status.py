@@ -1,0 +1,103 @@
+"""What `ps` and `stop` need: job state joined with registry entries and live health."""
+
+from __future__ import annotations
+
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from areal_cli import jobs, procs
+from areal_cli.registry import FileRegistry
+from areal_cli.supervisor import probe_health
+
+LIVE = ("starting", "running", "stopping")
+
+
+def job_statuses(home: Path, include_ended: bool = False) -> list[dict]:
+    records, bad = jobs.list_all(home)
+    out = []
+    for rec in records:
+        alive = rec.alive()
+        state = rec.state
+        if state in LIVE and not alive:
+            state = "dead"  # supervisor and watchdog both gone without a word
+        if not include_ended and state not in LIVE:
+            continue
+        out.append((rec, state))
+    probes = []
+    for rec, _ in out:
+        for p in rec.processes:
+            if p.role == "server" and p.addr:
+                probes.append(p.addr)
+    health = _probe_all(probes)
+    result = []
+    for rec, state in out:
+        servers = [
+            {"addr": p.addr, "pid": p.pid, "gpus": p.gpus, "healthy": bool(state in LIVE and health.get(p.addr)),
+             "exit_code": p.exit_code}
+            for p in rec.processes
+            if p.role == "server" and p.addr
+        ]  # fmt: skip
+        d = {
+            "name": rec.name,
+            "experiment": rec.experiment,
+            "trial": rec.trial,
+            "kind": rec.kind,
+            "state": state,
+            "pids": [rec.supervisor_pid, *rec.pids],
+            "supervisor_pid": rec.supervisor_pid,
+            "servers": servers,
+            "started": rec.started,
+            "log_dir": rec.log_dir,
+            "alloc": rec.alloc,
+            "message": rec.message,
+        }
+        result.append(d)
+    for path in bad:
+        result.append({"name": path, "experiment": None, "trial": None, "kind": None,
+                       "state": "corrupt", "pids": [], "servers": [], "started": 0.0,
+                       "message": "unreadable job record"})  # fmt: skip
+    return result
+
+
+def _probe_all(addrs: list[str]) -> dict[str, bool]:
+    if not addrs:
+        return {}
+
+    def one(addr: str) -> bool:
+        host, _, port = addr.rpartition(":")
+        return probe_health(host, int(port), "/health", None, timeout=1.0)
+
+    with ThreadPoolExecutor(max_workers=min(16, len(addrs))) as ex:
+        return dict(zip(addrs, ex.map(one, addrs), strict=True))
+
+
+def stop_job(home: Path, rec: jobs.JobRecord, timeout: float, registry_root: Path) -> dict:
+    """SIGTERM the supervisor and wait; then make sure nothing of the job is left."""
+    was_running = rec.alive() and rec.state in LIVE
+    if was_running:
+        try:
+            os.kill(rec.supervisor_pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        procs.wait_until(lambda: not rec.alive(), timeout)
+    killed = procs.kill_job(rec.marker, [p.pid for p in rec.processes], grace=3.0)
+    deregistered = 0
+    for root in {Path(rec.registry), Path(registry_root)}:
+        reg = FileRegistry(root)
+        for e in reg.list(rec.experiment, rec.trial, include_dead=True).servers:
+            if e.managed and e.job == rec.name:
+                reg.deregister(rec.experiment, rec.trial, e.id)
+                deregistered += 1
+    fresh = jobs.load(home, rec.experiment, rec.trial)
+    if fresh.state in LIVE:
+        fresh.state = "stopped"
+        fresh.message = "stopped by areal stop"
+        jobs.write(home, fresh)
+    return {
+        "name": rec.name,
+        "was_running": was_running,
+        "killed": killed,
+        "deregistered": deregistered,
+    }

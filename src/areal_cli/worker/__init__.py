@@ -1,0 +1,48 @@
+"""What a training script imports: join the job, shard the model, sample, sync weights.
+
+    from areal_cli.worker import connect, shard_model, sync_weights
+
+    ctx = connect()                       # rank, device, mesh, servers from `areal train`
+    model = shard_model(model, ctx.mesh)  # FSDP2 over the dp dimension
+    client = ctx.rollout_client()
+    groups = client.run(client.generate_batch(prompts, n=8, max_new_tokens=256))
+    ...
+    sync_weights(model, client, ctx.log_dir / "weights", version=step)
+
+Nothing heavy is imported until a name is used.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from areal_cli.worker.fsdp import shard_model, transformer_blocks
+    from areal_cli.worker.rollout import Completion, RolloutClient, RolloutError
+    from areal_cli.worker.runtime import WorkerContext, close, connect
+    from areal_cli.worker.weights import full_state_dict, save_hf_checkpoint, sync_weights
+
+_EXPORTS = {
+    "connect": "runtime",
+    "close": "runtime",
+    "WorkerContext": "runtime",
+    "RolloutClient": "rollout",
+    "Completion": "rollout",
+    "RolloutError": "rollout",
+    "shard_model": "fsdp",
+    "transformer_blocks": "fsdp",
+    "save_hf_checkpoint": "weights",
+    "sync_weights": "weights",
+    "full_state_dict": "weights",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'areal_cli.worker' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"areal_cli.worker.{module}"), name)

@@ -1,0 +1,573 @@
+"""Token-in/token-out generation spread over a pool of inference servers.
+
+One `RolloutClient` owns one aiohttp session and a view of every server: how many
+requests it is serving right now, whether it failed recently, and the weight version it
+reported last. A request goes to the live server with the fewest requests in flight; a
+server that refuses, resets, times out or answers 5xx is skipped for `cooldown` seconds
+and the request moves on to another one.
+
+Two wire protocols:
+    sglang, hf   SGLang-native `POST /generate` with `input_ids` and `sampling_params`
+    vllm         OpenAI-style `POST /v1/completions` with a token-id prompt, token ids
+                 returned as "token_id:N" strings (`return_tokens_as_token_ids`)
+
+Async code awaits the methods directly; synchronous training loops call
+`client.run(client.generate_batch(...))`, which keeps one private event loop alive so
+the session and its pooled connections survive between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Coroutine, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from areal_cli.errors import LaunchError, UsageError
+
+BACKENDS = ("sglang", "hf", "vllm")
+T = TypeVar("T")
+
+
+class RolloutError(LaunchError):
+    """Generation or a weight update could not be served by any inference server."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled continuation: tokens, the behaviour policy's logprobs, and provenance."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: str | None
+    server: str
+    text: str | None = None
+
+
+@dataclass
+class _Server:
+    addr: str
+    in_flight: int = 0
+    down_until: float = 0.0
+    last_error: str | None = None
+    weight_version: str | None = None
+    # A server whose weight update failed keeps serving old weights: never sample from it
+    # again until an update succeeds.
+    stale: bool = False
+    model_name: str | None = None  # vLLM needs the served model's name in every request
+
+    def live(self, now: float) -> bool:
+        return not self.stale and self.down_until <= now
+
+
+class _Retryable(Exception):
+    """A failure that another server (or the same one later) may not have."""
+
+
+def _normalise_addr(addr: str) -> str:
+    addr = addr.strip().rstrip("/")
+    for prefix in ("http://", "https://"):
+        if addr.startswith(prefix):
+            addr = addr[len(prefix) :]
+    return addr
+
+
+def _version_str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+class RolloutClient:
+    """Generate from a pool of inference servers; also pause, resume and reload their weights.
+
+    Example (synchronous training loop):
+
+        client = RolloutClient(["127.0.0.1:30000", "127.0.0.1:30001"], backend="sglang")
+        groups = client.run(client.generate_batch(prompts, n=8, max_new_tokens=256))
+        client.run(client.update_weights_from_disk("/ckpt/step3", version=3))
+        client.close_sync()
+    """
+
+    def __init__(
+        self,
+        servers: Iterable[str],
+        backend: str = "sglang",
+        api_key: str | None = None,
+        *,
+        max_concurrency: int = 128,
+        timeout: float = 600.0,
+        retries: int = 3,
+        cooldown: float = 5.0,
+        retry_backoff: float = 0.2,
+        control_timeout: float = 600.0,
+    ):
+        addrs = [_normalise_addr(a) for a in servers if a and a.strip()]
+        if not addrs:
+            raise UsageError(
+                "no inference server addresses given",
+                hint="start servers with `areal serve` or set AREAL_LLM_SERVER_ADDRS=host:port,...",
+            )
+        if backend not in BACKENDS:
+            raise UsageError(
+                f"unknown server backend {backend!r}",
+                hint=f"use one of: {', '.join(BACKENDS)}",
+            )
+        if max_concurrency < 1:
+            raise UsageError("max_concurrency must be at least 1")
+        self.backend = backend
+        self.api_key = api_key
+        self.max_concurrency = max_concurrency
+        self.timeout = timeout
+        self.retries = max(0, retries)
+        self.cooldown = cooldown
+        self.retry_backoff = retry_backoff
+        self.control_timeout = control_timeout
+        self._servers = [_Server(a) for a in dict.fromkeys(addrs)]
+        # Breaks ties between equally loaded servers, so an idle pool fills evenly.
+        self._rr = itertools.count()
+        self._session = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
+        self._sem: asyncio.Semaphore | None = None
+        self._own_loop: asyncio.AbstractEventLoop | None = None
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    # ------------------------------------------------------------------ plumbing
+
+    @property
+    def servers(self) -> list[str]:
+        return [s.addr for s in self._servers]
+
+    def in_flight(self) -> dict[str, int]:
+        return {s.addr: s.in_flight for s in self._servers}
+
+    def live_servers(self) -> list[str]:
+        now = time.monotonic()
+        return [s.addr for s in self._servers if s.live(now)]
+
+    def _ensure_session(self):
+        import aiohttp
+
+        loop = asyncio.get_running_loop()
+        if self._session is not None and self._session_loop is not loop:
+            raise UsageError(
+                "RolloutClient is bound to the event loop it first ran on",
+                hint="from synchronous code use client.run(coro) for every call, "
+                "or create one client per event loop",
+            )
+        if self._session is None:
+            connector = aiohttp.TCPConnector(
+                limit=self.max_concurrency + 8, limit_per_host=0, ttl_dns_cache=300
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector, headers=self._headers, trust_env=False
+            )
+            self._session_loop = loop
+            self._sem = asyncio.Semaphore(self.max_concurrency)
+        return self._session
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run one of this client's coroutines from synchronous code, on a private loop."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            coro.close()
+            raise UsageError(
+                "RolloutClient.run() called from inside a running event loop",
+                hint="await the coroutine instead",
+            )
+        if self._own_loop is None or self._own_loop.is_closed():
+            self._own_loop = asyncio.new_event_loop()
+        return self._own_loop.run_until_complete(coro)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+            self._session_loop = None
+
+    def close_sync(self) -> None:
+        """Close the session and the private loop that `run` created."""
+        if self._own_loop is not None and not self._own_loop.is_closed():
+            if self._session is not None and self._session_loop is self._own_loop:
+                self._own_loop.run_until_complete(self.close())
+            self._own_loop.close()
+        self._own_loop = None
+
+    async def __aenter__(self) -> RolloutClient:
+        self._ensure_session()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ choosing servers
+
+    def _pick(self, tried: set[str]) -> _Server | None:
+        now = time.monotonic()
+        live = [s for s in self._servers if s.live(now)]
+        fresh = [s for s in live if s.addr not in tried] or live
+        if not fresh:
+            return None
+        least = min(s.in_flight for s in fresh)
+        ties = [s for s in fresh if s.in_flight == least]
+        return ties[next(self._rr) % len(ties)]
+
+    def _soonest_back(self) -> _Server | None:
+        candidates = [s for s in self._servers if not s.stale]
+        return min(candidates, key=lambda s: s.down_until) if candidates else None
+
+    def _mark_down(self, server: _Server, reason: str) -> None:
+        server.down_until = time.monotonic() + self.cooldown
+        server.last_error = reason
+
+    def _no_server_error(self, what: str) -> RolloutError:
+        lines = []
+        for s in self._servers:
+            state = "stale weights" if s.stale else (s.last_error or "not tried")
+            lines.append(f"  {s.addr}: {state}")
+        return RolloutError(
+            f"{what}: no inference server left ({len(self._servers)} configured, all failed)",
+            hint="check the servers with `areal ps`; their logs with `areal logs`",
+            detail="\n".join(lines),
+        )
+
+    # ------------------------------------------------------------------ one HTTP exchange
+
+    async def _request(
+        self,
+        server: _Server,
+        method: str,
+        path: str,
+        payload: dict | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        import aiohttp
+
+        session = self._ensure_session()
+        url = f"http://{server.addr}{path}"
+        try:
+            async with session.request(
+                method,
+                url,
+                json=payload,
+                timeout=aiohttp.ClientTimeout(total=timeout or self.timeout),
+            ) as resp:
+                if resp.status >= 500 or resp.status == 429:
+                    body = (await resp.text())[:300]
+                    raise _Retryable(f"HTTP {resp.status} from {path}: {body}")
+                if resp.status >= 400:
+                    body = (await resp.text())[:500]
+                    hint = (
+                        "the server wants an API key: set AREAL_API_KEY or pass api_key="
+                        if resp.status in (401, 403)
+                        else None
+                    )
+                    raise RolloutError(
+                        f"{server.addr} rejected {method} {path}: HTTP {resp.status}",
+                        hint=hint,
+                        detail=body,
+                    )
+                return await resp.json(content_type=None)
+        except asyncio.TimeoutError as e:
+            raise _Retryable(f"timed out after {timeout or self.timeout:g}s on {path}") from e
+        except aiohttp.ClientError as e:
+            # Connection refused, reset, server disconnected mid-response.
+            raise _Retryable(f"{type(e).__name__}: {e}") from e
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        *,
+        max_new_tokens: int = 128,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+    ) -> Completion:
+        """Sample one continuation of `input_ids`, failing over between servers."""
+        self._ensure_session()
+        assert self._sem is not None
+        sampling = {
+            "max_new_tokens": int(max_new_tokens),
+            "temperature": float(temperature),
+            "top_p": float(top_p),
+            "top_k": int(top_k),
+            "stop_token_ids": [int(t) for t in stop_token_ids or ()],
+        }
+        if ignore_eos:
+            sampling["ignore_eos"] = True
+        prompt = [int(t) for t in input_ids]
+        async with self._sem:
+            tried: set[str] = set()
+            for attempt in range(self.retries + 1):
+                server = self._pick(tried)
+                if server is None:
+                    if attempt == self.retries:
+                        break
+                    # Everything is cooling down: wait a little, then probe whichever server
+                    # comes back first, so one blip on a single-server pool is survivable.
+                    await asyncio.sleep(self.retry_backoff * (2**attempt))
+                    server = self._soonest_back()
+                    if server is None:
+                        break
+                tried.add(server.addr)
+                server.in_flight += 1
+                try:
+                    if self.backend == "vllm":
+                        return await self._generate_vllm(server, prompt, sampling)
+                    return await self._generate_sglang(server, prompt, sampling)
+                except _Retryable as e:
+                    self._mark_down(server, str(e))
+                finally:
+                    server.in_flight -= 1
+        raise self._no_server_error("generate")
+
+    async def _generate_sglang(self, server: _Server, prompt: list[int], sampling: dict):
+        data = await self._request(
+            server,
+            "POST",
+            "/generate",
+            {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True},
+        )
+        if isinstance(data, list):  # batched form of the same endpoint
+            data = data[0]
+        meta = data.get("meta_info") or {}
+        token_logprobs = meta.get("output_token_logprobs") or []
+        output_ids = data.get("output_ids")
+        if output_ids is None:
+            output_ids = [int(entry[1]) for entry in token_logprobs]
+        logprobs = [float(entry[0]) if entry[0] is not None else 0.0 for entry in token_logprobs]
+        # Some versions return prompt+output in output_ids; the logprobs are output only.
+        if len(output_ids) > len(logprobs) and token_logprobs:
+            output_ids = output_ids[-len(logprobs) :]
+        reason = meta.get("finish_reason")
+        if isinstance(reason, dict):
+            reason = reason.get("type")
+        version = meta.get("weight_version", server.weight_version)
+        return Completion(
+            output_ids=[int(t) for t in output_ids],
+            logprobs=logprobs,
+            finish_reason=str(reason or "unknown"),
+            weight_version=_version_str(version),
+            server=server.addr,
+            text=data.get("text"),
+        )
+
+    async def _vllm_model(self, server: _Server) -> str:
+        if server.model_name is None:
+            data = await self._request(server, "GET", "/v1/models", timeout=self.control_timeout)
+            models = data.get("data") or []
+            if not models:
+                raise RolloutError(f"{server.addr} serves no model (GET /v1/models is empty)")
+            server.model_name = str(models[0]["id"])
+        return server.model_name
+
+    async def _generate_vllm(self, server: _Server, prompt: list[int], sampling: dict):
+        payload = {
+            "model": await self._vllm_model(server),
+            "prompt": prompt,
+            "max_tokens": sampling["max_new_tokens"],
+            "temperature": sampling["temperature"],
+            "top_p": sampling["top_p"],
+            "top_k": sampling["top_k"],
+            "stop_token_ids": sampling["stop_token_ids"],
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        if sampling.get("ignore_eos"):
+            payload["ignore_eos"] = True
+        data = await self._request(server, "POST", "/v1/completions", payload)
+        choice = data["choices"][0]
+        lp = choice.get("logprobs") or {}
+        tokens = lp.get("tokens") or []
+        if tokens:
+            output_ids = [int(str(t).rsplit(":", 1)[1]) for t in tokens]
+        else:
+            output_ids = [int(t) for t in choice.get("token_ids") or []]
+        logprobs = [float(x) if x is not None else 0.0 for x in lp.get("token_logprobs") or []]
+        return Completion(
+            output_ids=output_ids,
+            logprobs=logprobs,
+            finish_reason=str(choice.get("finish_reason") or "unknown"),
+            weight_version=server.weight_version,
+            server=server.addr,
+            text=choice.get("text"),
+        )
+
+    async def generate_batch(
+        self, prompts: Sequence[Sequence[int]], *, n: int = 1, **sampling: Any
+    ) -> list[list[Completion]]:
+        """`n` samples for every prompt, all in flight at once (bounded by max_concurrency).
+
+        Returns one list of `n` completions per prompt, in prompt order. The first failure
+        cancels the rest and is raised.
+        """
+        self._ensure_session()
+        tasks = [
+            asyncio.ensure_future(self.generate(p, **sampling)) for p in prompts for _ in range(n)
+        ]
+        if not tasks:
+            return []
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+        results = [t.result() for t in tasks]
+        return [results[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    # ------------------------------------------------------------------ control plane
+
+    async def _on_every_server(self, what: str, call) -> dict[str, Any]:
+        """Run `call(server)` on every server that is not cooling down; failures are recorded."""
+        self._ensure_session()
+        now = time.monotonic()
+        targets = [s for s in self._servers if s.down_until <= now]
+        if not targets:
+            raise self._no_server_error(what)
+        results = await asyncio.gather(*(call(s) for s in targets), return_exceptions=True)
+        out: dict[str, Any] = {}
+        for server, result in zip(targets, results, strict=True):
+            if isinstance(result, _Retryable):
+                self._mark_down(server, str(result))
+            elif isinstance(result, BaseException):
+                server.last_error = str(result)
+            out[server.addr] = result
+        return out
+
+    async def _post_control(self, server: _Server, paths: Sequence[str], payload: dict) -> Any:
+        """POST to the first endpoint of `paths` the server knows (404 means try the next)."""
+        last: Exception | None = None
+        for path in paths:
+            try:
+                return await self._request(server, "POST", path, payload, self.control_timeout)
+            except RolloutError as e:
+                if "HTTP 404" not in e.message:
+                    raise
+                last = e
+        assert last is not None
+        raise last
+
+    async def pause(self) -> None:
+        """Stop every server from scheduling new generation (weights are about to change)."""
+        paths = ("/pause", "/areal_pause_generation") if self.backend == "vllm" else (
+            "/pause_generation",
+        )
+        results = await self._on_every_server(
+            "pause", lambda s: self._post_control(s, paths, {})
+        )
+        self._raise_if_all_failed("pause", results)
+
+    async def resume(self) -> None:
+        paths = ("/resume", "/areal_continue_generation") if self.backend == "vllm" else (
+            "/continue_generation",
+        )
+        results = await self._on_every_server(
+            "resume", lambda s: self._post_control(s, paths, {})
+        )
+        self._raise_if_all_failed("resume", results)
+
+    def _raise_if_all_failed(self, what: str, results: dict[str, Any]) -> None:
+        if all(isinstance(r, BaseException) for r in results.values()):
+            first = next(iter(results.values()))
+            if isinstance(first, RolloutError):
+                raise first
+            raise self._no_server_error(what)
+
+    async def _update_one(
+        self, server: _Server, path: str, version: str | None, abort_all_requests: bool
+    ) -> str | None:
+        if self.backend == "vllm":
+            try:
+                data = await self._post_control(
+                    server, ("/areal_update_weights",), {"model_path": path}
+                )
+            except RolloutError as e:
+                if "HTTP 404" not in e.message:
+                    raise
+                # Stock vLLM (VLLM_SERVER_DEV_MODE=1): point the loader at the new
+                # checkpoint, then reload in place.
+                await self._post_control(
+                    server,
+                    ("/collective_rpc",),
+                    {"method": "update_config", "args": [{"model_config": {"model": path}}]},
+                )
+                data = await self._post_control(
+                    server, ("/collective_rpc",), {"method": "reload_weights"}
+                )
+            if isinstance(data, dict) and data.get("success") is False:
+                raise RolloutError(f"{server.addr} failed to load {path}: {data.get('message')}")
+            server.weight_version = version
+            server.stale = False
+            return version
+
+        payload: dict[str, Any] = {"model_path": path, "abort_all_requests": abort_all_requests}
+        if version is not None:
+            payload["weight_version"] = version
+        data = await self._post_control(server, ("/update_weights_from_disk",), payload)
+        if isinstance(data, dict) and data.get("success") is False:
+            raise RolloutError(
+                f"{server.addr} failed to load {path}",
+                detail=str(data.get("message") or data),
+            )
+        reported = await self._fetch_version(server)
+        server.weight_version = reported if reported is not None else version
+        server.stale = False
+        return server.weight_version
+
+    async def update_weights_from_disk(
+        self, path: str, *, version: str | int | None = None, abort_all_requests: bool = False
+    ) -> str | None:
+        """Make every live server load the HF checkpoint at `path`; returns the new version.
+
+        `path` must be readable by the servers (same host or a shared filesystem). A server
+        that fails to load is taken out of rotation until a later update succeeds, so no
+        sample is ever drawn from weights the trainer has moved past.
+        """
+        v = _version_str(version)
+        results = await self._on_every_server(
+            "update_weights_from_disk",
+            lambda s: self._update_one(s, str(path), v, abort_all_requests),
+        )
+        failures = {a: r for a, r in results.items() if isinstance(r, BaseException)}
+        for server in self._servers:
+            if server.addr in failures or server.addr not in results:
+                server.stale = True
+        if len(failures) == len(results):
+            first = next(iter(failures.values()))
+            if isinstance(first, RolloutError):
+                raise first
+            raise self._no_server_error("update_weights_from_disk")
+        versions = {r for r in results.values() if not isinstance(r, BaseException)}
+        if v is not None:
+            return v
+        return next(iter(versions)) if len(versions) == 1 else None
+
+    async def _fetch_version(self, server: _Server) -> str | None:
+        if self.backend == "vllm":
+            return server.weight_version
+        data = await self._request(server, "GET", "/get_weight_version", timeout=30)
+        if isinstance(data, dict):
+            return _version_str(data.get("weight_version", data.get("version")))
+        return _version_str(data)
+
+    async def weight_versions(self) -> dict[str, str | None]:
+        """The weight version each reachable server reports (vLLM: the last one loaded)."""
+        results = await self._on_every_server("get_weight_version", self._fetch_version)
+        out: dict[str, str | None] = {}
+        for addr, r in results.items():
+            if not isinstance(r, BaseException):
+                out[addr] = r
+                next(s for s in self._servers if s.addr == addr).weight_version = r
+        return out

@@ -1,0 +1,203 @@
+"""What a training worker learns from its launcher: rank, device, mesh, and where the servers are.
+
+`areal train` starts the script under torchrun and exports:
+
+    AREAL_LLM_SERVER_ADDRS  host:port,host:port   healthy inference servers
+    AREAL_SERVER_BACKEND    sglang | vllm | hf
+    AREAL_API_KEY           when the servers want one
+    AREAL_ALLOC             the allocation, e.g. "fsdp:d2" or "sglang:d1+fsdp:d2t2"
+    AREAL_LOG_DIR           the job's log folder
+    AREAL_EXPERIMENT, AREAL_TRIAL, AREAL_REGISTRY
+
+plus torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT. A script started
+with plain `python` gets a world of one.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from areal_cli import settings
+from areal_cli.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from areal_cli.worker.rollout import RolloutClient
+
+_CONTEXT: WorkerContext | None = None
+
+
+@dataclass
+class WorkerContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: DeviceMesh
+    servers: list[str]
+    backend: str
+    api_key: str | None
+    log_dir: Path
+    experiment: str
+    trial: str
+    alloc: str | None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        return self.mesh["dp"] if self.mesh.ndim > 1 else self.mesh
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_mesh.get_local_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_mesh.size()
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+
+    def rollout_client(self, **kwargs: Any) -> RolloutClient:
+        """A RolloutClient on this job's servers (keyword arguments override its defaults)."""
+        from areal_cli.worker.rollout import RolloutClient
+
+        if not self.servers:
+            raise UsageError(
+                "no inference servers known to this worker (AREAL_LLM_SERVER_ADDRS is empty)",
+                hint="start servers with `areal serve`, then launch with `areal train`",
+            )
+        kwargs.setdefault("backend", self.backend)
+        kwargs.setdefault("api_key", self.api_key)
+        return RolloutClient(self.servers, **kwargs)
+
+    def close(self) -> None:
+        """Destroy the process group; `connect()` afterwards starts a fresh one."""
+        global _CONTEXT
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if _CONTEXT is self:
+            _CONTEXT = None
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise UsageError(f"{name}={raw!r} is not an integer") from None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_dims(alloc: str | None, world_size: int) -> dict[str, int]:
+    """Mesh shape for the trainer: {"dp": d, "tp": t, "cp": c} from the allocation.
+
+    Without an allocation every rank is data parallel. Dims of size one are dropped, except
+    dp, which is always there so code can ask for `mesh["dp"]`.
+    """
+    if not alloc:
+        return {"dp": world_size}
+    from areal_cli.alloc import parse
+
+    component = parse(alloc).train
+    if component is None:
+        return {"dp": world_size}
+    dims = {"dp": component.d, "tp": component.t, "cp": component.c}
+    if component.world_size != world_size:
+        raise UsageError(
+            f"allocation {alloc!r} wants {component.world_size} training ranks "
+            f"but this job has WORLD_SIZE={world_size}",
+            hint=f"launch with --nproc-per-node {component.world_size} "
+            "(`areal train` does this from --alloc)",
+        )
+    return {"dp": dims["dp"], **{k: v for k, v in dims.items() if k != "dp" and v > 1}}
+
+
+def connect(*, timeout_s: float = 600.0) -> WorkerContext:
+    """Join the job: init the process group and device mesh, read the servers. Idempotent."""
+    global _CONTEXT
+    if _CONTEXT is not None:
+        return _CONTEXT
+
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank = _env_int("RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if "RANK" not in os.environ:
+        # Plain `python train.py`: a world of one, rendezvous on a private port.
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+    alloc = os.environ.get("AREAL_ALLOC") or None
+    dims = train_dims(alloc, world_size)
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        device_type, pg_backend = "cuda", "nccl"
+    else:
+        device = torch.device("cpu")
+        device_type, pg_backend = "cpu", "gloo"
+
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=pg_backend,
+            init_method="env://",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+
+    servers = [a.strip() for a in os.environ.get("AREAL_LLM_SERVER_ADDRS", "").split(",")]
+    backend = os.environ.get("AREAL_SERVER_BACKEND") or "sglang"
+    log_dir = Path(os.environ.get("AREAL_LOG_DIR") or Path.cwd() / "areal-logs")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    _CONTEXT = WorkerContext(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        device=device,
+        mesh=mesh,
+        servers=[a for a in servers if a],
+        backend=backend,
+        api_key=os.environ.get("AREAL_API_KEY") or None,
+        log_dir=log_dir,
+        experiment=os.environ.get("AREAL_EXPERIMENT") or settings.DEFAULT_EXPERIMENT,
+        trial=os.environ.get("AREAL_TRIAL") or settings.DEFAULT_TRIAL,
+        alloc=alloc,
+    )
+    return _CONTEXT
+
+
+def close() -> None:
+    """Tear down the context `connect()` made, if any."""
+    if _CONTEXT is not None:
+        _CONTEXT.close()

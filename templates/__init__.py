@@ -1,0 +1,1 @@
+"""Files users copy or the tool renders: job YAMLs, env presets, repro scripts, the GRPO example."""

@@ -1,0 +1,416 @@
+"""RolloutClient against real aiohttp servers on loopback that speak SGLang's and vLLM's protocols.
+
+The stubs compute a deterministic continuation (prompt's last token + 1, + 2, ...) so every
+answer can be checked, and they count requests and concurrent requests per server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from aiohttp import web
+
+from areal_cli.errors import UsageError
+from areal_cli.worker.rollout import RolloutClient, RolloutError
+
+
+class Stub:
+    """One inference server: `kind` is "sglang" (also the hf server's protocol) or "vllm"."""
+
+    def __init__(self, kind: str = "sglang", *, delay: float = 0.0, api_key: str | None = None):
+        self.kind = kind
+        self.delay = delay
+        self.api_key = api_key
+        self.status: int | None = None  # force this HTTP status on /generate
+        self.requests = 0
+        self.active = 0
+        self.max_active = 0
+        self.auth_headers: list[str | None] = []
+        self.bodies: list[dict] = []
+        self.calls: list[str] = []
+        self.version = "0"
+        self.loaded_path: str | None = None
+        self.runner: web.AppRunner | None = None
+        self.addr = ""
+
+    async def start(self) -> str:
+        app = web.Application()
+        if self.kind == "sglang":
+            app.router.add_post("/generate", self._generate)
+            app.router.add_post("/pause_generation", self._control)
+            app.router.add_post("/continue_generation", self._control)
+            app.router.add_post("/update_weights_from_disk", self._update)
+            app.router.add_get("/get_weight_version", self._version)
+        else:
+            app.router.add_get("/v1/models", self._models)
+            app.router.add_post("/v1/completions", self._completions)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.1, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        self.addr = f"127.0.0.1:{port}"
+        return self.addr
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+    def _check_auth(self, request: web.Request) -> None:
+        header = request.headers.get("Authorization")
+        self.auth_headers.append(header)
+        if self.api_key and header != f"Bearer {self.api_key}":
+            raise web.HTTPUnauthorized(text="bad api key")
+
+    async def _serve(self, request: web.Request) -> dict | web.Response:
+        self._check_auth(request)
+        body = await request.json()
+        self.bodies.append(body)
+        self.requests += 1
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            await asyncio.sleep(self.delay)
+        finally:
+            self.active -= 1
+        if self.status is not None:
+            return web.Response(status=self.status, text="forced failure")
+        return body
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await self._serve(request)
+        if isinstance(body, web.Response):
+            return body
+        last = body["input_ids"][-1]
+        n = body["sampling_params"]["max_new_tokens"]
+        out = [(last + 1 + i) % 256 for i in range(n)]
+        return web.json_response(
+            {
+                "text": "",
+                "output_ids": out,
+                "meta_info": {
+                    "output_token_logprobs": [[-0.25 * (i + 1), t, None] for i, t in enumerate(out)],
+                    "finish_reason": {"type": "length", "length": n},
+                    "prompt_tokens": len(body["input_ids"]),
+                    "completion_tokens": n,
+                    "weight_version": self.version,
+                },
+            }
+        )
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        self._check_auth(request)
+        return web.json_response({"object": "list", "data": [{"id": "stub-model"}]})
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._serve(request)
+        if isinstance(body, web.Response):
+            return body
+        if body.get("model") != "stub-model":
+            return web.Response(status=404, text="model not found")
+        last = body["prompt"][-1]
+        out = [(last + 1 + i) % 256 for i in range(body["max_tokens"])]
+        return web.json_response(
+            {
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "",
+                        "finish_reason": "length",
+                        "logprobs": {
+                            "tokens": [f"token_id:{t}" for t in out],
+                            "token_logprobs": [-0.5] * len(out),
+                            "top_logprobs": [],
+                            "text_offset": [],
+                        },
+                    }
+                ]
+            }
+        )
+
+    async def _control(self, request: web.Request) -> web.StreamResponse:
+        self._check_auth(request)
+        self.calls.append(request.path)
+        return web.json_response({"success": True})
+
+    async def _update(self, request: web.Request) -> web.StreamResponse:
+        self._check_auth(request)
+        body = await request.json()
+        self.calls.append(request.path)
+        self.loaded_path = body["model_path"]
+        self.version = body.get("weight_version", str(int(self.version) + 1))
+        return web.json_response({"success": True, "message": "ok"})
+
+    async def _version(self, request: web.Request) -> web.StreamResponse:
+        self._check_auth(request)
+        return web.json_response({"weight_version": self.version})
+
+
+async def _started(*stubs: Stub) -> list[str]:
+    return [await s.start() for s in stubs]
+
+
+async def _stopped(*stubs: Stub) -> None:
+    for s in stubs:
+        await s.stop()
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=30))
+
+
+def test_sglang_generate_parses_tokens_logprobs_and_sends_api_key():
+    async def main():
+        stub = Stub("sglang", api_key="sekret")
+        addrs = await _started(stub)
+        try:
+            async with RolloutClient(addrs, backend="sglang", api_key="sekret") as client:
+                c = await client.generate([5, 9], max_new_tokens=3, temperature=0.7, top_k=4)
+        finally:
+            await _stopped(stub)
+        assert c.output_ids == [10, 11, 12]
+        assert c.logprobs == [-0.25, -0.5, -0.75]
+        assert c.finish_reason == "length"
+        assert c.server == addrs[0]
+        assert c.weight_version == "0"
+        assert stub.auth_headers == ["Bearer sekret"]
+        sent = stub.bodies[0]
+        assert sent["return_logprob"] is True
+        assert sent["sampling_params"]["temperature"] == 0.7
+        assert sent["sampling_params"]["top_k"] == 4
+
+    run(main())
+
+
+def test_vllm_generate_uses_token_id_prompt_and_parses_token_ids():
+    async def main():
+        stub = Stub("vllm", api_key="k1")
+        addrs = await _started(stub)
+        try:
+            async with RolloutClient(addrs, backend="vllm", api_key="k1") as client:
+                c = await client.generate([1, 2, 3], max_new_tokens=4, stop_token_ids=[7])
+        finally:
+            await _stopped(stub)
+        assert c.output_ids == [4, 5, 6, 7]
+        assert c.logprobs == [-0.5] * 4
+        assert c.finish_reason == "length"
+        sent = stub.bodies[0]
+        assert sent["prompt"] == [1, 2, 3]
+        assert sent["logprobs"] == 1
+        assert sent["return_tokens_as_token_ids"] is True
+        assert sent["stop_token_ids"] == [7]
+        # /v1/models and /v1/completions both carried the key
+        assert stub.auth_headers == ["Bearer k1", "Bearer k1"]
+
+    run(main())
+
+
+def test_wrong_api_key_fails_fast_with_a_hint():
+    async def main():
+        stub = Stub("sglang", api_key="right")
+        addrs = await _started(stub)
+        try:
+            async with RolloutClient(addrs, api_key="wrong", retries=3) as client:
+                with pytest.raises(RolloutError) as info:
+                    await client.generate([1], max_new_tokens=1)
+        finally:
+            await _stopped(stub)
+        assert "401" in info.value.message
+        assert "AREAL_API_KEY" in (info.value.hint or "")
+        assert stub.requests == 0 and len(stub.auth_headers) == 1  # a 4xx is not retried
+
+    run(main())
+
+
+def test_equal_servers_share_load_evenly():
+    async def main():
+        stubs = [Stub(delay=0.05) for _ in range(3)]
+        addrs = await _started(*stubs)
+        try:
+            async with RolloutClient(addrs, max_concurrency=6) as client:
+                await client.generate_batch([[1]] * 30, max_new_tokens=1)
+        finally:
+            await _stopped(*stubs)
+        assert [s.requests for s in stubs] == [10, 10, 10]
+        assert [s.max_active for s in stubs] == [2, 2, 2]
+
+    run(main())
+
+
+def test_least_in_flight_sends_less_to_a_slow_server():
+    async def main():
+        slow, fast = Stub(delay=0.3), Stub(delay=0.01)
+        addrs = await _started(slow, fast)
+        try:
+            async with RolloutClient(addrs, max_concurrency=4) as client:
+                t0 = time.perf_counter()
+                await client.generate_batch([[1]] * 40, max_new_tokens=1)
+                elapsed = time.perf_counter() - t0
+        finally:
+            await _stopped(slow, fast)
+        assert slow.requests + fast.requests == 40
+        # Round-robin would put 20 on the slow one (~3 s); least-in-flight keeps it busy
+        # with a couple while the fast one drains the rest.
+        assert slow.requests <= 6, (slow.requests, fast.requests)
+        assert elapsed < 1.5
+
+    run(main())
+
+
+def test_concurrency_is_bounded():
+    async def main():
+        stub = Stub(delay=0.05)
+        addrs = await _started(stub)
+        try:
+            async with RolloutClient(addrs, max_concurrency=4) as client:
+                groups = await client.generate_batch([[1], [2], [3], [4], [5]], n=4, max_new_tokens=2)
+        finally:
+            await _stopped(stub)
+        assert stub.max_active == 4
+        assert stub.requests == 20
+        # one list per prompt, n completions each, in prompt order
+        assert [[c.output_ids for c in g] for g in groups] == [
+            [[p + 1, p + 2]] * 4 for p in range(1, 6)
+        ]
+
+    run(main())
+
+
+def test_timeout_raises_rollout_error():
+    async def main():
+        stub = Stub(delay=5.0)
+        addrs = await _started(stub)
+        try:
+            async with RolloutClient(addrs, timeout=0.3, retries=0) as client:
+                t0 = time.perf_counter()
+                with pytest.raises(RolloutError) as info:
+                    await client.generate([1], max_new_tokens=1)
+                elapsed = time.perf_counter() - t0
+        finally:
+            await _stopped(stub)
+        assert elapsed < 2.0
+        assert "timed out" in (info.value.detail or "")
+        assert addrs[0] in (info.value.detail or "")
+
+    run(main())
+
+
+def test_failover_when_a_server_stops_mid_run():
+    async def main():
+        a, b = Stub(delay=0.05), Stub(delay=0.05)
+        addrs = await _started(a, b)
+        try:
+            async with RolloutClient(addrs, max_concurrency=8, cooldown=30) as client:
+                batch = asyncio.ensure_future(client.generate_batch([[1]] * 80, max_new_tokens=1))
+                await asyncio.sleep(0.15)
+                await a.stop()  # in-flight requests to it are cut, new ones refused
+                groups = await batch
+                live = client.live_servers()
+        finally:
+            await _stopped(a, b)
+        completions = [c for g in groups for c in g]
+        assert len(completions) == 80
+        assert all(c.output_ids == [2] for c in completions)
+        served_by_a = sum(c.server == addrs[0] for c in completions)
+        assert 0 < served_by_a < 40
+        assert served_by_a + b.requests >= 80
+        assert live == [addrs[1]]
+
+    run(main())
+
+
+def test_5xx_moves_requests_to_a_healthy_server():
+    async def main():
+        bad, good = Stub(), Stub()
+        bad.status = 503
+        addrs = await _started(bad, good)
+        try:
+            async with RolloutClient(addrs, cooldown=30) as client:
+                groups = await client.generate_batch([[3]] * 10, max_new_tokens=1)
+                # The first burst is split before any answer comes back ...
+                first_burst = bad.requests
+                groups += await client.generate_batch([[3]] * 10, max_new_tokens=1)
+        finally:
+            await _stopped(bad, good)
+        assert all(c.server == addrs[1] for g in groups for c in g)
+        assert 1 <= first_burst <= 5
+        # ... after which the failed server is skipped while it cools down.
+        assert bad.requests == first_burst
+
+    run(main())
+
+
+def test_all_servers_dead_is_a_clear_error():
+    async def main():
+        a, b = Stub(), Stub()
+        addrs = await _started(a, b)
+        await _stopped(a, b)
+        async with RolloutClient(addrs, retries=2, retry_backoff=0.05) as client:
+            t0 = time.perf_counter()
+            with pytest.raises(RolloutError) as info:
+                await client.generate([1], max_new_tokens=1)
+            elapsed = time.perf_counter() - t0
+        assert "no inference server left" in info.value.message
+        for addr in addrs:
+            assert addr in info.value.detail
+        assert info.value.hint and "areal ps" in info.value.hint
+        assert elapsed < 2.0
+
+    run(main())
+
+
+def test_pause_update_resume_and_versions():
+    async def main():
+        a, b = Stub(), Stub()
+        addrs = await _started(a, b)
+        try:
+            async with RolloutClient(addrs) as client:
+                assert await client.weight_versions() == {addrs[0]: "0", addrs[1]: "0"}
+                await client.pause()
+                version = await client.update_weights_from_disk("/ckpt/step1", version=1)
+                await client.resume()
+                after = await client.weight_versions()
+                c = await client.generate([1], max_new_tokens=1)
+        finally:
+            await _stopped(a, b)
+        assert version == "1"
+        assert after == {addrs[0]: "1", addrs[1]: "1"}
+        assert c.weight_version == "1"
+        for s in (a, b):
+            assert s.calls == ["/pause_generation", "/update_weights_from_disk", "/continue_generation"]
+            assert s.loaded_path == "/ckpt/step1"
+
+    run(main())
+
+
+def test_sync_run_keeps_one_session_across_calls():
+    stub = Stub()
+    loop = asyncio.new_event_loop()
+    try:
+        addr = loop.run_until_complete(stub.start())
+        # The stub lives on `loop`; serve it from a thread while the client uses its own loop.
+        import threading
+
+        thread = threading.Thread(target=loop.run_forever, daemon=True)
+        thread.start()
+        client = RolloutClient([addr])
+        first = client.run(client.generate([1], max_new_tokens=1))
+        second = client.run(client.generate_batch([[2], [3]], max_new_tokens=1))
+        client.close_sync()
+        assert first.output_ids == [2]
+        assert [g[0].output_ids for g in second] == [[3], [4]]
+    finally:
+        asyncio.run_coroutine_threadsafe(stub.stop(), loop).result(timeout=5)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
+        loop.close()
+
+
+def test_bad_construction_is_a_usage_error():
+    with pytest.raises(UsageError):
+        RolloutClient([])
+    with pytest.raises(UsageError):
+        RolloutClient(["127.0.0.1:1"], backend="tgi")
