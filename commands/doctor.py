@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import typer
 
-app = typer.Typer(help="Diagnose distributed training: hangs, env presets, all_reduce, environment, mesh.", no_args_is_help=True)
+app = typer.Typer(
+    help="Diagnose distributed training: hangs, env presets, all_reduce, environment, mesh.",
+    no_args_is_help=True,
+)
 
 
 @app.command("check")

@@ -48,8 +48,9 @@ def ps(
     from rich.table import Table
 
     t = Table()
-    for col in ("job", "kind", "state", "age", "pids", "servers", "GPUs"):
-        t.add_column(col)
+    t.add_column("job", no_wrap=True)
+    for col in ("kind", "state", "age", "pids", "servers", "GPUs"):
+        t.add_column(col, no_wrap=col in ("kind", "state", "servers"))
     for j in jobs_:
         servers = "\n".join(
             f"[{'green' if s['healthy'] else 'red'}]{'●' if s['healthy'] else '○'}[/] {s['addr']}"
@@ -119,8 +120,8 @@ def logs(
                 printer.colors.setdefault(label, COLORS[len(printer.colors) % len(COLORS)])
                 grew |= _print_new(path, label, offsets, printer)
             if not grew:
-                rec = jobs.load(home_dir, rec.experiment, rec.trial)
-                if not rec.alive():
+                live = [r for r in jobs.load_all(home_dir, rec.experiment, rec.trial) if r.alive()]
+                if not live:
                     break
                 time.sleep(0.2)
     except KeyboardInterrupt:
@@ -148,7 +149,8 @@ def _print_new(path: Path, label: str, offsets: dict[str, int], printer) -> bool
     return True
 
 
-STOP_HELP = """Stop a job: its servers and trainers, grandchildren included; clean the registry.
+STOP_HELP = """Stop a trial's jobs (serve and train, or --kind): every process they started,
+grandchildren included, and their registry entries.
 
 Examples:
 
@@ -161,6 +163,7 @@ Examples:
 def stop(
     name: str = typer.Argument(None, help="Job as EXPERIMENT/TRIAL (see areal ps)."),
     all_: bool = typer.Option(False, "--all", help="Stop every running job of this user."),
+    kind: str = typer.Option(None, "--kind", help="serve | train: only that job of the trial."),
     timeout: float = typer.Option(
         30.0, "--timeout", min=0.1, help="Seconds to wait for a clean stop."
     ),
@@ -180,7 +183,14 @@ def stop(
             r for r in jobs.list_all(home_dir)[0] if r.state in ("starting", "running", "stopping")
         ]
     else:
-        records = [jobs.load(home_dir, *jobs.parse_name(name))]
+        exp, trial = jobs.parse_name(name)
+        if kind is not None and kind not in ("serve", "train"):
+            raise UsageError(f"--kind {kind!r}: choose serve or train")
+        records = (
+            [jobs.load(home_dir, exp, trial, kind)] if kind else jobs.load_all(home_dir, exp, trial)
+        )
+        if not records:
+            jobs.load(home_dir, exp, trial)  # raises the "no job" error with its hint
     results = []
     for rec in records:
         with console.err.status(f"stopping {rec.name} ..."):

@@ -1,12 +1,286 @@
-"""`areal train` (being built)."""
+"""`areal train`: torchrun FSDP workers against discovered (or co-launched) servers."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
+
+from areal_cli import console, settings
+from areal_cli.errors import UsageError
+
+from ._common import (
+    ExperimentOpt,
+    HomeOpt,
+    JsonOpt,
+    LinePrinter,
+    RegistryOpt,
+    TrialOpt,
+    check_name,
+    forward_signals,
+    load_config,
+    pick,
+    python_default,
+    render_plan,
+)
+
+CONFIG_KEYS = {
+    "alloc", "experiment", "trial", "servers", "min_servers", "wait_servers", "nnodes",
+    "node_rank", "master_addr", "master_port", "gpus", "debug_preset", "model", "python",
+    "health_timeout", "api_key", "areal_overrides",
+}  # fmt: skip
+
+HELP = """Run training workers with torchrun against inference servers.
+
+With a training-only allocation (fsdp:d2) the servers come from the registry under the
+same --experiment/--trial (started by `areal serve` or AReaL), waiting up to
+--wait-servers for them. With a combined allocation (hf:d1+fsdp:d2) the servers start
+first and everything is torn down together. Everything after SCRIPT goes to the script.
+
+Workers find: AREAL_LLM_SERVER_ADDRS, AREAL_SERVER_BACKEND, AREAL_API_KEY, AREAL_ALLOC,
+AREAL_LOG_DIR, AREAL_EXPERIMENT, AREAL_TRIAL, AREAL_REGISTRY (see areal_cli.worker).
+
+Examples:
+
+  areal train --alloc fsdp:d2 templates/grpo/train.py --config templates/grpo/tiny_cpu.yaml
+
+  areal train --alloc hf:d1+fsdp:d2 --model ./tiny templates/grpo/train.py --config tiny_cpu.yaml
+
+  areal train --alloc fsdp:d8 --servers 10.0.0.5:30000 --debug-preset nccl train.py
+
+  areal train --alloc fsdp:d4 --areal-overrides -m areal.examples.gsm8k_grpo --config gsm8k.yaml
+"""
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("train")
-    def _cmd() -> None:
-        """Not built yet."""
-        raise typer.Exit(2)
+    @app.command(
+        "train",
+        help=HELP,
+        no_args_is_help=True,
+        # SCRIPT ends our options: what follows is the script's, even --config.
+        context_settings={"allow_interspersed_args": False, "allow_extra_args": True},
+    )
+    def train(
+        ctx: typer.Context,
+        script: str = typer.Argument(..., help="Training script (or -m module) and its arguments."),
+        alloc: str = typer.Option(
+            None, "--alloc", "-a", help="e.g. fsdp:d2, fsdp:d2t2, hf:d1+fsdp:d2."
+        ),
+        experiment: str = ExperimentOpt,
+        trial: str = TrialOpt,
+        servers: str = typer.Option(
+            None, "--servers", help="auto (registry) | host:port,... [default auto]."
+        ),
+        min_servers: int = typer.Option(
+            None,
+            "--min-servers",
+            min=1,
+            help="Servers to wait for [default 1; all found are used].",
+        ),
+        wait_servers: float = typer.Option(
+            None, "--wait-servers", min=0, help="Seconds to wait for servers [default 60]."
+        ),
+        nnodes: int = typer.Option(None, "--nnodes", min=1, help="Nodes (torchrun)."),
+        node_rank: int = typer.Option(
+            None, "--node-rank", min=0, help="This node's rank (torchrun)."
+        ),
+        master_addr: str = typer.Option(None, "--master-addr", help="Rendezvous host (torchrun)."),
+        master_port: int = typer.Option(
+            None, "--master-port", min=1, max=65535, help="Rendezvous port (torchrun)."
+        ),
+        gpus: str = typer.Option(
+            None, "--gpus", help="GPU ids for the workers [default: free ones]."
+        ),
+        config: Path = typer.Option(
+            None, "--config", "-c", help="Job YAML (keys are these flags)."
+        ),
+        debug_preset: str = typer.Option(
+            None, "--debug-preset", help="Env preset from `areal doctor env --list`."
+        ),
+        model: str = typer.Option(None, "--model", "-m", help="Model for co-launched servers."),
+        python: str = typer.Option(None, "--python", help="Interpreter for workers and servers."),
+        areal_overrides: bool = typer.Option(
+            None,
+            "--areal-overrides/--no-areal-overrides",
+            help="Append AReaL key=value overrides (allocation_mode, experiment/trial, name_resolve) to the script args.",
+        ),
+        health_timeout: float = typer.Option(
+            None, "--health-timeout", min=0.1, help="For co-launched servers [default 600]."
+        ),
+        registry: Path = RegistryOpt,
+        home: Path = HomeOpt,
+        dry_run: bool = typer.Option(
+            False, "--dry-run", help="Print the torchrun command, env and GPUs; start nothing."
+        ),
+        json_out: bool = JsonOpt,
+    ) -> None:
+        from areal_cli import discovery, planner
+        from areal_cli.alloc import parse
+        from areal_cli.registry import FileRegistry
+        from areal_cli.spec import JobSpec, ServerRole, TrainerRole
+
+        cfg = load_config(config, CONFIG_KEYS)
+        alloc = pick(alloc, cfg, "alloc", None)
+        if not alloc:
+            raise UsageError(
+                "--alloc is required", hint="e.g. areal train --alloc fsdp:d2 train.py"
+            )
+        a = parse(alloc)
+        if a.train is None:
+            raise UsageError(
+                f"--alloc {alloc} has no train component",
+                hint="add one, e.g. fsdp:d2 (training only) or " + alloc + "+fsdp:d2",
+            )
+        script_args = list(ctx.args)
+        if script == "-m":
+            if not script_args:
+                raise UsageError(
+                    "-m needs a module name", hint="areal train --alloc fsdp:d2 -m pkg.train"
+                )
+            script, script_args = f"-m {script_args[0]}", script_args[1:]
+        elif not Path(script).is_file():
+            raise UsageError(
+                f"script {script} does not exist", hint="give the path of a training script"
+            )
+        nnodes = int(pick(nnodes, cfg, "nnodes", 1))
+        world = a.train.world_size
+        if world % nnodes:
+            raise UsageError(f"{alloc}: world size {world} does not split over {nnodes} nodes")
+        experiment = check_name(
+            "experiment",
+            pick(
+                None if experiment == settings.DEFAULT_EXPERIMENT else experiment,
+                cfg,
+                "experiment",
+                experiment,
+            ),
+        )
+        trial = check_name(
+            "trial", pick(None if trial == settings.DEFAULT_TRIAL else trial, cfg, "trial", trial)
+        )
+        home_dir, reg_root = settings.home(home), settings.registry_root(registry)
+        py = pick(python, cfg, "python", None) or python_default()
+        env: dict[str, str] = {}
+        preset = pick(debug_preset, cfg, "debug_preset", None)
+        if preset:
+            from areal_cli.diagnose.presets import preset_env
+
+            env.update(preset_env(preset))
+        trainer = TrainerRole(
+            script=script,
+            script_args=tuple(script_args),
+            nproc=world // nnodes,
+            alloc=alloc,
+            nnodes=nnodes,
+            node_rank=int(pick(node_rank, cfg, "node_rank", 0)),
+            master_addr=str(pick(master_addr, cfg, "master_addr", "127.0.0.1")),
+            master_port=pick(master_port, cfg, "master_port", None),
+            python=py,
+            env=tuple(env.items()),
+            areal_overrides=bool(pick(areal_overrides, cfg, "areal_overrides", False)),
+        )
+        if script.startswith("-m "):
+            trainer = _module_trainer(trainer)
+        server_role, found = None, None
+        if a.inference:
+            if len(a.inference) != 1:
+                raise UsageError(
+                    "train co-launches one inference component", hint="e.g. hf:d1+fsdp:d2"
+                )
+            comp = a.inference[0]
+            model = pick(model, cfg, "model", None)
+            if not model:
+                raise UsageError(
+                    f"--alloc {alloc} starts {comp.backend} servers: --model is required"
+                )
+            server_role = ServerRole(
+                backend=comp.backend, model_path=str(Path(model).expanduser().resolve()),
+                replicas=comp.d, tp=comp.t, pp=comp.p, python=py,
+            )  # fmt: skip
+        else:
+            servers = str(pick(servers, cfg, "servers", "auto"))
+            if servers != "auto":
+                found = discovery.explicit(
+                    discovery.parse_addrs(servers), None, _key(api_key_flag=None)
+                )
+            else:
+                wait = 0.0 if dry_run else float(pick(wait_servers, cfg, "wait_servers", 60.0))
+                need = int(pick(min_servers, cfg, "min_servers", 1))
+                reg = FileRegistry(reg_root)
+                with console.err.status(
+                    f"waiting for servers of {experiment}/{trial} ..."
+                ) as status:
+
+                    def progress(n: int, left: float) -> None:
+                        status.update(
+                            f"waiting for servers of {experiment}/{trial}: {n}/{need} healthy, {left:.0f}s left"
+                        )
+
+                    try:
+                        found = discovery.from_registry(
+                            reg, home_dir, experiment, trial, need, wait, progress
+                        )
+                    except Exception:
+                        if not dry_run:
+                            raise
+                        found = discovery.Found([], "sglang", None, [])
+            console.err.print(
+                f"[green]servers[/] {len(found.addrs)} {found.backend}: {', '.join(found.addrs) or '(none yet)'}"
+            )
+        spec = JobSpec(
+            experiment=experiment,
+            trial=trial,
+            servers=server_role,
+            trainer=trainer,
+            alloc=alloc,
+            gpus_flag=pick(gpus, cfg, "gpus", None),
+            api_key=str(pick(None, cfg, "api_key", "auto")),
+            health_timeout=float(pick(health_timeout, cfg, "health_timeout", 600.0)),
+            external_servers=tuple(found.addrs) if found else (),
+            external_backend=found.backend if found else None,
+            external_api_key=found.api_key if found else None,
+        )
+        plan = planner.plan(spec, home_dir, reg_root, check_packages=not dry_run)
+        if dry_run:
+            if json_out:
+                console.print_json(plan.to_json())
+            else:
+                render_plan(plan, console.out)
+            return
+        _run(plan, home_dir)
+
+
+def _key(api_key_flag):
+    import os
+
+    return os.environ.get("AREAL_API_KEY") or api_key_flag
+
+
+def _module_trainer(t):
+    from dataclasses import replace
+
+    module = t.script.split(" ", 1)[1]
+    return replace(t, script="-m", script_args=(module, *t.script_args))
+
+
+def _run(plan, home_dir) -> None:
+    from areal_cli.supervisor import Supervisor
+
+    printer = LinePrinter(console.err)
+
+    def on_event(kind: str, info: dict) -> None:
+        if kind == "healthy":
+            console.err.print(f"[green]healthy[/] {info['label']} at http://{info['addr']}")
+        elif kind == "spawned" and info["label"].startswith("trainer"):
+            console.err.print(
+                f"[green]started[/] torchrun ({len(plan.trainers)} node-local launcher, pid {info['pid']})"
+            )
+        elif kind == "server_lost":
+            console.err.print(f"[red]lost[/] {info['label']} ({info['why']})")
+        elif kind == "trainer_exit":
+            color = "green" if info["code"] == 0 else "red"
+            console.err.print(f"[{color}]training finished[/] with exit code {info['code']}")
+
+    sup = Supervisor(plan, home_dir, on_event=on_event, on_line=printer)
+    forward_signals(sup)
+    raise typer.Exit(sup.run())

@@ -1,9 +1,12 @@
 """Job records: what a running (or finished) job is, written where `ps`, `logs`, `stop` and
 `doctor` find it.
 
-    <home>/jobs/<user>/<experiment>/<trial>/job.json
+    <home>/jobs/<user>/<experiment>/<trial>/serve.json    servers started by `areal serve`
+    <home>/jobs/<user>/<experiment>/<trial>/train.json    trainers (and co-launched servers)
 
-The supervisor owns the record and rewrites it (atomically) as the job changes state.
+`serve` and `train` share an experiment/trial on purpose (that is how train finds the
+servers), so each trial has one slot per kind. The supervisor owns its record and rewrites
+it atomically as the job changes state.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from areal_cli import procs, settings
 from areal_cli.errors import UsageError
 
 STATES = ("starting", "running", "stopping", "stopped", "failed", "killed")
+LIVE = ("starting", "running", "stopping")
 
 
 @dataclass
@@ -87,28 +91,48 @@ def jobs_root(home: Path) -> Path:
     return home / "jobs" / settings.user()
 
 
-def record_path(home: Path, experiment: str, trial: str) -> Path:
-    return jobs_root(home) / experiment / trial / "job.json"
+def slot(kind: str) -> str:
+    return "serve" if kind == "serve" else "train"
+
+
+def record_path(home: Path, experiment: str, trial: str, kind: str) -> Path:
+    return jobs_root(home) / experiment / trial / f"{slot(kind)}.json"
 
 
 def write(home: Path, record: JobRecord) -> Path:
     record.updated = time.time()
-    path = record_path(home, record.experiment, record.trial)
+    path = record_path(home, record.experiment, record.trial, record.kind)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".job.json.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record.to_json(), indent=2))
     os.replace(tmp, path)
     return path
 
 
-def load(home: Path, experiment: str, trial: str) -> JobRecord:
-    path = record_path(home, experiment, trial)
-    if not path.exists():
+def load_all(home: Path, experiment: str, trial: str) -> list[JobRecord]:
+    """The records of one experiment/trial (serve and/or train), live ones first."""
+    d = jobs_root(home) / experiment / trial
+    recs = [_read(d / f"{k}.json") for k in ("serve", "train") if (d / f"{k}.json").exists()]
+    recs.sort(key=lambda r: (not (r.alive() and r.state in LIVE), r.kind != "train", -r.started))
+    return recs
+
+
+def load(home: Path, experiment: str, trial: str, kind: str | None = None) -> JobRecord:
+    """One record of E/T: of `kind` if given, else the live training job, else the live
+    serving job, else the newest."""
+    if kind is not None:
+        path = record_path(home, experiment, trial, kind)
+        recs = [_read(path)] if path.exists() else []
+    else:
+        recs = load_all(home, experiment, trial)
+    if not recs:
         raise UsageError(
-            f"no job {experiment}/{trial} under {jobs_root(home)}",
-            hint="`areal ps` lists the jobs this home knows; --home / AREAL_HOME selects another.",
+            f"no job {experiment}/{trial}"
+            + (f" of kind {kind}" if kind else "")
+            + f" under {jobs_root(home)}",
+            hint="`areal ps --all` lists the jobs this home knows; --home / AREAL_HOME selects another.",
         )
-    return _read(path)
+    return recs[0]
 
 
 def _read(path: Path) -> JobRecord:
@@ -127,7 +151,7 @@ def list_all(home: Path) -> tuple[list[JobRecord], list[str]]:
     root = jobs_root(home)
     if not root.is_dir():
         return [], []
-    for path in root.glob("*/*/job.json"):
+    for path in [*root.glob("*/*/serve.json"), *root.glob("*/*/train.json")]:
         try:
             records.append(_read(path))
         except UsageError:
@@ -147,15 +171,19 @@ def parse_name(name: str) -> tuple[str, str]:
     return parts[0], parts[1]
 
 
-def refuse_if_running(home: Path, experiment: str, trial: str) -> None:
-    """A second job with the same experiment/trial while one is alive is refused."""
+def refuse_if_running(home: Path, experiment: str, trial: str, kind: str) -> None:
+    """One live job per slot: a serving job and a training job may share E/T, but a
+    second of the same kind (or anything beside a combined serve+train job) is refused."""
     try:
-        rec = load(home, experiment, trial)
+        recs = load_all(home, experiment, trial)
     except UsageError:
-        return
-    if rec.alive() and rec.state in ("starting", "running", "stopping"):
-        raise UsageError(
-            f"job {rec.name} is already running ({rec.kind}, supervisor pid "
-            f"{rec.supervisor_pid}, started {time.strftime('%H:%M:%S', time.localtime(rec.started))})",
-            hint=f"stop it first (areal stop {rec.name}) or pick another --trial",
-        )
+        recs = []  # a corrupt record of a dead job does not block a new one
+    for rec in recs:
+        if not (rec.alive() and rec.state in LIVE):
+            continue
+        if slot(rec.kind) == slot(kind) or "serve+train" in (rec.kind, kind):
+            raise UsageError(
+                f"job {rec.name} is already running ({rec.kind}, supervisor pid "
+                f"{rec.supervisor_pid}, started {time.strftime('%H:%M:%S', time.localtime(rec.started))})",
+                hint=f"stop it first (areal stop {rec.name}) or pick another --trial",
+            )

@@ -18,19 +18,19 @@ from areal_cli.spec import Plan
 
 def spawn_detached(plan: Plan, home: Path) -> subprocess.Popen:
     """Start `python -m areal_cli.supervisor` in a session of its own."""
-    jobs.refuse_if_running(home, plan.experiment, plan.trial)
-    job_dir = jobs.record_path(home, plan.experiment, plan.trial).parent
+    jobs.refuse_if_running(home, plan.experiment, plan.trial, plan.kind)
+    record = jobs.record_path(home, plan.experiment, plan.trial, plan.kind)
+    job_dir = record.parent
     job_dir.mkdir(parents=True, exist_ok=True)
     Path(plan.log_dir).mkdir(parents=True, exist_ok=True)
-    plan_file = job_dir / "plan.json"
+    plan_file = job_dir / f".{jobs.slot(plan.kind)}-plan.json"
     # The plan may hold the API key: readable by the user only.
     fd = os.open(plan_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(plan.to_json(redact=False), f)
     # A stale record from an earlier run must not be mistaken for this one.
-    stale = jobs.record_path(home, plan.experiment, plan.trial)
-    stale.unlink(missing_ok=True)
-    log = open(Path(plan.log_dir) / "supervisor.log", "ab")  # noqa: SIM115 - handed to the child
+    record.unlink(missing_ok=True)
+    log = open(supervisor_log(plan), "wb")  # noqa: SIM115 - handed to the child
     env = {k: v for k, v in os.environ.items() if k != procs.MARKER_ENV}
     try:
         return subprocess.Popen(
@@ -71,20 +71,24 @@ def wait_detached(
             rec = _read(home, plan)
             if rec and rec.marker == plan.marker and rec.state != "starting":
                 continue
-            tail = _tail(Path(plan.log_dir) / "supervisor.log")
+            tail = _tail(supervisor_log(plan))
             raise LaunchError(
                 f"the job's supervisor exited ({code}) before the job was ready",
                 detail=tail,
-                hint=f"full log: {Path(plan.log_dir) / 'supervisor.log'}",
+                hint=f"full log: {supervisor_log(plan)}",
             )
         if time.monotonic() > deadline:
             raise WaitTimeout(f"job {plan.experiment}/{plan.trial} not ready in time")
         time.sleep(0.05)
 
 
+def supervisor_log(plan: Plan) -> Path:
+    return Path(plan.log_dir) / f"supervisor-{jobs.slot(plan.kind)}.log"
+
+
 def _read(home: Path, plan: Plan) -> jobs.JobRecord | None:
     try:
-        return jobs.load(home, plan.experiment, plan.trial)
+        return jobs.load(home, plan.experiment, plan.trial, plan.kind)
     except Exception:
         return None
 

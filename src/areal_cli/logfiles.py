@@ -1,4 +1,4 @@
-"""A job's log files by role: server-N.log, rank-N.log, torchrun.log, supervisor.log."""
+"""A trial's log files by role: server-N.log, rank-N.log, torchrun.log, supervisor-*.log."""
 
 from __future__ import annotations
 
@@ -25,8 +25,10 @@ def select_logs(
                 found.append(
                     (ROLES.index(m.group(1)), int(m.group(2)), f"{m.group(1)}-{m.group(2)}", p)
                 )
-            elif p.name in ("torchrun.log", "supervisor.log"):
-                found.append((ROLES.index(p.stem), 0, p.stem, p))
+            elif p.name == "torchrun.log":
+                found.append((ROLES.index("torchrun"), 0, "torchrun", p))
+            elif p.name.startswith("supervisor") and p.suffix == ".log":
+                found.append((ROLES.index("supervisor"), 0, p.stem, p))
     out = {}
     for r, i, label, path in sorted(found):
         if role is not None and ROLES[r] != role:

@@ -153,6 +153,16 @@ def _plan_trainer(p, spec: JobSpec, t: TrainerRole, inventory, free, held, log_d
         )
     slice_ = free[: t.nproc] if on_gpu else []
     master_port = t.master_port or procs.free_ports(1, "127.0.0.1", start=29500)[0]
+    if p.servers:
+        addrs = [s.addr for s in p.servers]
+        backend, key = p.servers[0].backend, p.api_key
+    else:
+        addrs, backend = list(spec.external_servers), spec.external_backend or "sglang"
+        key = spec.external_api_key
+        p.api_key = key  # only so the plan's rendering redacts it
+    script_args = list(t.script_args)
+    if t.areal_overrides:
+        script_args += areal_overrides(spec, backend, len(addrs), p.registry)
     argv = [t.python or sys.executable, "-m", "torch.distributed.run"]
     argv += ["--nnodes", str(t.nnodes), "--node-rank", str(t.node_rank)]
     argv += ["--nproc-per-node", str(t.nproc)]
@@ -160,20 +170,67 @@ def _plan_trainer(p, spec: JobSpec, t: TrainerRole, inventory, free, held, log_d
     # Per-rank output comes back through torchrun's stdout with a [defaultN]: prefix,
     # which the supervisor splits into one log file per rank.
     argv += ["--tee", "3", "--log-dir", str(Path(p.log_dir) / "torchrun")]
-    argv += [t.script, *t.script_args]
-    env = dict(t.env)
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slice_)) if on_gpu else ""
-    env["PYTHONUNBUFFERED"] = "1"
+    argv += [t.script, *script_args]
     p.processes.append(
         ProcessPlan(
             role="trainer",
             index=0,
             argv=argv,
-            env=env,
+            env=worker_env(spec, t, p, addrs, backend, key, slice_, on_gpu),
             gpus=slice_,
             log_path=str(log_dir / "torchrun.log"),
         )
     )
+
+
+def worker_env(spec, t: TrainerRole, p: Plan, addrs, backend, key, gpus_, on_gpu) -> dict[str, str]:
+    """What each training worker finds in its environment (and what AReaL's launcher sets)."""
+    env = {
+        "AREAL_LLM_SERVER_ADDRS": ",".join(addrs),
+        "AREAL_SERVER_BACKEND": backend or "",
+        "AREAL_REGISTRY": p.registry,
+        "AREAL_EXPERIMENT": spec.experiment,
+        "AREAL_TRIAL": spec.trial,
+        "AREAL_ALLOC": t.alloc,
+        "AREAL_LOG_DIR": p.log_dir,
+        "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus_)) if on_gpu else "",
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": os.environ.get(
+            "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, t.nproc)))
+        ),
+        "PYTHONUNBUFFERED": "1",
+    }
+    if backend == "sglang":
+        # NCCL's cuMem allocator and NVLink SHARP clash with SGLang's in the same job.
+        env["NCCL_CUMEM_ENABLE"] = "0"
+        env["NCCL_NVLS_ENABLE"] = "0"
+    if key:
+        env["AREAL_API_KEY"] = key
+    env.update(dict(t.env))
+    return env
+
+
+def areal_overrides(spec: JobSpec, backend: str, n_servers: int, registry: str) -> list[str]:
+    """`key=value` overrides for an AReaL entry point (its --config + overrides CLI).
+
+    AReaL picks its rollout engine from the generation part of `allocation_mode`; a
+    training-only mode ("fsdp:d2") fails with "Invalid backend: None". We give it the
+    backend of the servers we found, and point its name_resolve at our registry, where
+    it finds them under the same experiment/trial.
+    """
+    train = spec.trainer.alloc if spec.trainer else ""
+    train_part = train.split("+")[-1]
+    gen = f"{backend}:d{max(1, n_servers)}"
+    return [
+        f"allocation_mode={gen}+{train_part}",
+        f"experiment_name={spec.experiment}",
+        f"trial_name={spec.trial}",
+        f"rollout.experiment_name={spec.experiment}",
+        f"rollout.trial_name={spec.trial}",
+        "cluster.name_resolve.type=nfs",
+        f"cluster.name_resolve.nfs_record_root={registry}",
+    ]
 
 
 def _ports(role: ServerRole, n: int) -> list[int]:

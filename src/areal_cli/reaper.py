@@ -28,13 +28,14 @@ def cleanup(marker: str, home: Path, experiment: str, trial: str, registry_root:
         if e.managed and e.job == f"{experiment}/{trial}":
             reg.deregister(experiment, trial, e.id)
     try:
-        rec = jobs.load(home, experiment, trial)
+        recs = jobs.load_all(home, experiment, trial)
     except Exception:
         return
-    if rec.marker == marker and rec.state in ("starting", "running", "stopping"):
-        rec.state = "killed"
-        rec.message = "the supervisor died; the watchdog tore the job down"
-        jobs.write(home, rec)
+    for rec in recs:
+        if rec.marker == marker and rec.state in jobs.LIVE:
+            rec.state = "killed"
+            rec.message = "the supervisor died; the watchdog tore the job down"
+            jobs.write(home, rec)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,6 +44,8 @@ class TrainerRole:
     master_port: int | None = None
     python: str = ""
     env: tuple[tuple[str, str], ...] = ()  # extra environment for the workers
+    # Append AReaL config overrides that point an AReaL entry point at our servers.
+    areal_overrides: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class JobSpec:
     # Servers a training-only job found in the registry or got from --servers.
     external_servers: tuple[str, ...] = ()
     external_backend: str | None = None
+    external_api_key: str | None = None
 
     @property
     def kind(self) -> str:
@@ -82,7 +85,7 @@ class ProcessPlan:
 
     @property
     def label(self) -> str:
-        return f"{self.role}-{self.index}"
+        return "torchrun" if self.role == "trainer" else f"{self.role}-{self.index}"
 
     @property
     def addr(self) -> str | None:

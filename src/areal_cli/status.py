@@ -11,7 +11,7 @@ from areal_cli import jobs, procs
 from areal_cli.registry import FileRegistry
 from areal_cli.supervisor import probe_health
 
-LIVE = ("starting", "running", "stopping")
+LIVE = jobs.LIVE
 
 
 def job_statuses(home: Path, include_ended: bool = False) -> list[dict]:
@@ -90,7 +90,7 @@ def stop_job(home: Path, rec: jobs.JobRecord, timeout: float, registry_root: Pat
             if e.managed and e.job == rec.name:
                 reg.deregister(rec.experiment, rec.trial, e.id)
                 deregistered += 1
-    fresh = jobs.load(home, rec.experiment, rec.trial)
+    fresh = jobs.load(home, rec.experiment, rec.trial, rec.kind)
     if fresh.state in LIVE:
         fresh.state = "stopped"
         fresh.message = "stopped by areal stop"

@@ -62,7 +62,8 @@ class _Proc:
     def _file(self, path: str):
         f = self._files.get(path)
         if f is None:
-            f = open(path, "ab", buffering=0)  # noqa: SIM115 - closed in _pump
+            # A new run starts its logs afresh (the previous run's are replaced).
+            f = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in _pump
             self._files[path] = f
         return f
 
@@ -160,7 +161,7 @@ class Supervisor:
 
     def run(self) -> int:
         """Run the job to its end. Returns the exit code; raises for the first failure."""
-        jobs.refuse_if_running(self.home, self.plan.experiment, self.plan.trial)
+        jobs.refuse_if_running(self.home, self.plan.experiment, self.plan.trial, self.plan.kind)
         Path(self.plan.log_dir).mkdir(parents=True, exist_ok=True)
         self._write_api_key()
         self._start_record()
@@ -439,9 +440,12 @@ class Supervisor:
         proc.pump.join(timeout=2)
         label, tail, log = proc.label, self._tail_text(proc), proc.plan.log_path
         if proc.plan.role == "trainer":
-            rank = _root_cause_rank(proc)
+            rank, rank_code = _root_cause(proc)
             if rank is not None:
                 label = f"rank-{rank}"
+                if rank_code is not None and rank_code != code:
+                    when = f"{when} (torchrun exited {code})".strip()
+                    code = rank_code
                 log = os.path.join(os.path.dirname(proc.plan.log_path), f"rank-{rank}.log")
                 tail = "\n".join(proc.rank_tails.get(rank, proc.tail))
         what = f"{label} failed {when}".strip()
@@ -451,16 +455,17 @@ class Supervisor:
         return "\n".join(proc.tail) or "(no output)"
 
 
-def _root_cause_rank(proc: _Proc) -> int | None:
-    """torchrun's failure report names the first failing rank ("rank: 1 (local_rank: 1)")."""
-    for line in proc.tail:
-        m = re.search(r"local_rank\s*:\s*(\d+)", line) or re.search(r"\brank\s*:\s*(\d+)", line)
-        if m:
-            return int(m.group(1))
-    failing = [
-        r for r, t in proc.rank_tails.items() if any("Error" in x or "Traceback" in x for x in t)
-    ]
-    return min(failing) if failing else None
+def _root_cause(proc: _Proc) -> tuple[int | None, int | None]:
+    """torchrun's failure report names the first failing rank and its exit code:
+    "rank : 1 (local_rank: 1)" then "exitcode : 5 (pid: 123)"."""
+    text = "\n".join(proc.tail)
+    head = max(text.rfind("Root Cause"), 0)
+    m = re.search(r"\brank\s*:\s*(\d+)", text[head:])
+    if m:
+        code = re.search(r"exitcode\s*:\s*(-?\d+)", text[head + m.end() :])
+        return int(m.group(1)), (int(code.group(1)) if code else None)
+    failing = [r for r, t in proc.rank_tails.items() if any("Error" in x or "Traceback" in x for x in t)]
+    return (min(failing) if failing else None), None
 
 
 def run_daemon(plan_path: str, home: str) -> int:

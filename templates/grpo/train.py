@@ -66,6 +66,9 @@ class Config:
     sync_dtype: str | None = None  # dtype of the checkpoint the servers load
     gradient_checkpointing: bool = False
     weights_dir: str | None = None  # default: $AREAL_LOG_DIR/weights
+    # Push weights to the servers every N steps. 0 never does: the control experiment, in
+    # which the reward stays where it started because the servers keep the old policy.
+    sync_every: int = 1
     max_concurrency: int = 128
     request_timeout: float = 600.0
     seed: int = 0
@@ -339,7 +342,6 @@ def main(argv: list[str]) -> None:
     weights_dir = Path(cfg.weights_dir or ctx.log_dir / "weights")
     report = Report(ctx.log_dir) if ctx.is_main else None
     if report is not None:
-        ctx.console_note = None
         report.console.print(
             f"[bold]GRPO[/] {cfg.task} · model {model_path} · {ctx.world_size} rank(s) "
             f"mesh {ctx.mesh.mesh_dim_names}={tuple(ctx.mesh.shape)} · servers {ctx.servers}"
@@ -390,15 +392,18 @@ def main(argv: list[str]) -> None:
         t_train = time.perf_counter()
 
         # 4. weight sync: the next rollout samples from the weights just trained
-        synced = sync_weights(
-            model,
-            client,
-            weights_dir,
-            version=step + 1,
-            tokenizer_from=model_path,
-            dtype=sync_dtype,
-        )
-        version = synced["version"]
+        if cfg.sync_every > 0 and (step + 1) % cfg.sync_every == 0:
+            synced = sync_weights(
+                model,
+                client,
+                weights_dir,
+                version=step + 1,
+                tokenizer_from=model_path,
+                dtype=sync_dtype,
+            )
+            version = synced["version"]
+        else:
+            version = groups[0][0].weight_version if groups and groups[0] else version
         t_end = time.perf_counter()
 
         generated = sum(len(c.output_ids) for g in groups for c in g)

@@ -77,6 +77,7 @@ async def serve(args: argparse.Namespace) -> int:
         await runner.cleanup()
         return 1
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    public_args["port"] = port
     url = f"http://{_url_host(args.host)}:{port}"
     log.info("listening at %s; loading %s", url, args.model_path)
 

@@ -246,12 +246,21 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     try:
         state = await in_thread(st.engine.read_weights, path)
     except WeightLoadError as e:
-        log.warning("weight update from %s failed, keeping version %s: %s", path, st.batcher.weight_version, e)
+        log.warning(
+            "weight update from %s failed, keeping version %s: %s",
+            path,
+            st.batcher.weight_version,
+            e,
+        )
         return web.json_response({"success": False, "message": str(e)}, status=400)
     aborted = await st.batcher.abort_all() if body.get("abort_all_requests") else 0
     old = st.batcher.weight_version
     new = body.get("weight_version")
-    new = str(new) if new is not None else (str(int(old) + 1) if old.isdigit() else str(st.weight_updates + 1))
+    new = (
+        str(new)
+        if new is not None
+        else (str(int(old) + 1) if old.isdigit() else str(st.weight_updates + 1))
+    )
     await st.batcher.swap_weights(state, path, new)
     st.weight_updates += 1
     took = time.perf_counter() - started
@@ -293,7 +302,7 @@ async def flush_cache(request: web.Request) -> web.Response:
 async def abort_request(request: web.Request) -> web.Response:
     body = await _json(request)
     if not body.get("abort_all"):
-        raise RequestError("the hf server aborts only all requests: send {\"abort_all\": true}")
+        raise RequestError('the hf server aborts only all requests: send {"abort_all": true}')
     n = await request.app[STATE].batcher.abort_all()
     return web.json_response({"success": True, "message": f"{n} requests aborted"})
 
@@ -355,7 +364,9 @@ async def v1_completions(request: web.Request) -> web.Response:
                     "seed": None if seed is None else int(seed) + j,
                 }
             )
-            req = GenRequest(ids, sp, seed=st.batcher.seed_for(sp.seed), top_logprobs_num=top_n or 0)
+            req = GenRequest(
+                ids, sp, seed=st.batcher.seed_for(sp.seed), top_logprobs_num=top_n or 0
+            )
             st.engine.check_request(req)
             reqs.append(req)
 
@@ -438,7 +449,9 @@ def _prompts(engine: Engine, input_ids: Any, text: Any) -> tuple[list[list[int]]
 
 
 def _token_list(ids: Any) -> list[int]:
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in ids
+    ):
         raise RequestError("input_ids must be a list of integers or a list of such lists")
     return ids
 

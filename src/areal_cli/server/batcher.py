@@ -16,8 +16,9 @@ import asyncio
 import random
 import threading
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from areal_cli.server.engine import Engine, GenRequest, GenResult
 

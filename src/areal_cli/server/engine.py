@@ -132,7 +132,9 @@ class Engine:
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
         self.context_length = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 20)
-        self.eos_token_ids = _eos_ids(cfg, self.tokenizer, getattr(model, "generation_config", None))
+        self.eos_token_ids = _eos_ids(
+            cfg, self.tokenizer, getattr(model, "generation_config", None)
+        )
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad if pad is not None else min(self.eos_token_ids, default=0))
 
@@ -194,7 +196,9 @@ class Engine:
             raise RequestError("the prompt is empty")
         bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+            raise RequestError(
+                f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})"
+            )
         if len(req.input_ids) >= self.context_length:
             raise RequestError(
                 f"the prompt has {len(req.input_ids)} tokens; the context length is "
@@ -245,7 +249,11 @@ class Engine:
                     if tops is not None and row.req.top_logprobs_num:
                         k = row.req.top_logprobs_num
                         top = list(
-                            zip(tops.indices[i, :k].tolist(), tops.values[i, :k].tolist(), strict=True)
+                            zip(
+                                tops.indices[i, :k].tolist(),
+                                tops.values[i, :k].tolist(),
+                                strict=True,
+                            )
                         )
                     row.push(token_list[i], chosen[i], top, self)
             if all(row.finished is not None for row in rows):
@@ -256,7 +264,10 @@ class Engine:
                         row.finished = {"type": "abort", "message": "aborted"}
                 break
             feed = torch.tensor(
-                [t if row.finished is None else self.pad_token_id for t, row in zip(token_list, rows, strict=True)],
+                [
+                    t if row.finished is None else self.pad_token_id
+                    for t, row in zip(token_list, rows, strict=True)
+                ],
                 device=dev,
             )[:, None]
             mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=dev)], dim=1)
@@ -420,4 +431,3 @@ def _str_list(value: Any) -> list[str]:
     if isinstance(value, str):
         return [value]
     return [str(v) for v in value]
-

@@ -461,21 +461,21 @@ class RolloutClient:
 
     async def pause(self) -> None:
         """Stop every server from scheduling new generation (weights are about to change)."""
-        paths = ("/pause", "/areal_pause_generation") if self.backend == "vllm" else (
-            "/pause_generation",
+        paths = (
+            ("/pause", "/areal_pause_generation")
+            if self.backend == "vllm"
+            else ("/pause_generation",)
         )
-        results = await self._on_every_server(
-            "pause", lambda s: self._post_control(s, paths, {})
-        )
+        results = await self._on_every_server("pause", lambda s: self._post_control(s, paths, {}))
         self._raise_if_all_failed("pause", results)
 
     async def resume(self) -> None:
-        paths = ("/resume", "/areal_continue_generation") if self.backend == "vllm" else (
-            "/continue_generation",
+        paths = (
+            ("/resume", "/areal_continue_generation")
+            if self.backend == "vllm"
+            else ("/continue_generation",)
         )
-        results = await self._on_every_server(
-            "resume", lambda s: self._post_control(s, paths, {})
-        )
+        results = await self._on_every_server("resume", lambda s: self._post_control(s, paths, {}))
         self._raise_if_all_failed("resume", results)
 
     def _raise_if_all_failed(self, what: str, results: dict[str, Any]) -> None:
@@ -561,6 +561,24 @@ class RolloutClient:
         if isinstance(data, dict):
             return _version_str(data.get("weight_version", data.get("version")))
         return _version_str(data)
+
+    async def model_info(self) -> dict[str, Any]:
+        """What the first reachable server serves: {"model_path", ...} (SGLang's get_model_info).
+
+        Trainers on the servers' filesystem use `model_path` to start from the same weights.
+        """
+        last: Exception | None = None
+        for server in self._servers:
+            try:
+                if self.backend == "vllm":
+                    data = await self._request(server, "GET", "/v1/models", timeout=30)
+                    first = (data.get("data") or [{}])[0]
+                    return {"model_path": first.get("root") or first.get("id"), **first}
+                return await self._request(server, "GET", "/get_model_info", timeout=30)
+            except _Retryable as e:
+                self._mark_down(server, str(e))
+                last = e
+        raise self._no_server_error("get_model_info") from last
 
     async def weight_versions(self) -> dict[str, str | None]:
         """The weight version each reachable server reports (vLLM: the last one loaded)."""

@@ -1,0 +1,346 @@
+"""Python stacks of live processes, taken with `py-spy dump --json`, one py-spy per process,
+all processes at once.
+
+py-spy pauses a process for a few milliseconds, reads its interpreter state from outside and
+lets it go: nothing has to be installed in the target, which is the whole point for a job that
+is already hung.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from areal_cli.errors import UsageError
+
+DEFAULT_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class Frame:
+    function: str  # qualified name as py-spy gives it, e.g. "Queue.get"
+    file: str  # full path, or a pseudo name such as "<frozen runpy>"
+    line: int
+    short: str = ""  # py-spy's short file name (package-relative)
+    locals: tuple[tuple[str, str], ...] | None = None
+    native: bool = False
+    # The source line, when the file is readable on this host (filled in by `with_source`).
+    code: str | None = None
+
+    @property
+    def basename(self) -> str:
+        """The function name without its class: `Queue.get` -> `get`."""
+        return self.function.rsplit(".", 1)[-1]
+
+    def where(self) -> str:
+        return f"{self.short or self.file}:{self.line}"
+
+    def to_json(self) -> dict:
+        d = {
+            "function": self.function,
+            "file": self.file,
+            "short": self.short or self.file,
+            "line": self.line,
+        }
+        if self.native:
+            d["native"] = True
+        if self.code is not None:
+            d["code"] = self.code
+        if self.locals is not None:
+            d["locals"] = dict(self.locals)
+        return d
+
+
+@dataclass(frozen=True)
+class ThreadStack:
+    thread_id: int
+    os_thread_id: int | None
+    name: str | None
+    active: bool  # py-spy's view: on CPU (not sleeping in a syscall)
+    owns_gil: bool
+    frames: tuple[Frame, ...]  # innermost first, as py-spy prints them
+
+
+@dataclass
+class Dump:
+    """One py-spy snapshot of one process (or why there is none)."""
+
+    pid: int
+    threads: list[ThreadStack] = field(default_factory=list)
+    raw: str = ""  # py-spy's JSON text, kept for bug reports
+    error: str | None = None
+    # "gone" (the process exited), "permission", "version", "timeout", "not_python", "failed"
+    error_kind: str | None = None
+    taken_at: float = 0.0
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def main_thread(self) -> ThreadStack | None:
+        for t in self.threads:
+            if t.os_thread_id == self.pid:
+                return t
+        for t in self.threads:
+            if t.name == "MainThread":
+                return t
+        return self.threads[0] if self.threads else None
+
+
+# --------------------------------------------------------------------------- py-spy itself
+
+
+def find_pyspy() -> str | None:
+    """py-spy next to this interpreter (the venv's bin/) first, then PATH."""
+    here = Path(sys.executable).parent / "py-spy"
+    if here.is_file() and os.access(here, os.X_OK):
+        return str(here)
+    return shutil.which("py-spy")
+
+
+def require_pyspy() -> str:
+    exe = find_pyspy()
+    if exe is None:
+        raise UsageError(
+            "py-spy is not installed next to this Python nor on PATH",
+            hint=f"{sys.executable} -m pip install py-spy",
+        )
+    return exe
+
+
+def pyspy_version(exe: str) -> tuple[int, ...] | None:
+    try:
+        res = subprocess.run(
+            [exe, "--version"], capture_output=True, text=True, timeout=5, env=_pyspy_env()
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    # "py-spy 0.4.3"
+    parts = res.stdout.strip().split()
+    if len(parts) < 2:
+        return None
+    try:
+        return tuple(int(x) for x in parts[-1].split(".")[:3])
+    except ValueError:
+        return None
+
+
+def _pyspy_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # A global RUST_BACKTRACE=1 makes py-spy symbolize and print its own backtrace on every
+    # error: slower, and it buries the one line that says what went wrong.
+    env["RUST_BACKTRACE"] = "0"
+    return env
+
+
+# --------------------------------------------------------------------------- dumping
+
+
+def dump(
+    pid: int,
+    *,
+    pyspy: str,
+    native: bool = False,
+    show_locals: bool = False,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> Dump:
+    argv = [pyspy, "dump", "--json", "--pid", str(pid)]
+    if native:
+        argv.append("--native")
+    if show_locals:
+        argv.append("--locals")
+    start = time.monotonic()
+    taken_at = time.time()
+    try:
+        res = subprocess.run(
+            argv, capture_output=True, text=True, timeout=timeout, env=_pyspy_env(), check=False
+        )
+    except subprocess.TimeoutExpired:
+        return Dump(
+            pid,
+            error=f"py-spy did not answer within {timeout:g}s",
+            error_kind="timeout",
+            taken_at=taken_at,
+            elapsed_s=time.monotonic() - start,
+        )
+    except OSError as e:
+        return Dump(pid, error=f"cannot run py-spy: {e}", error_kind="failed", taken_at=taken_at)
+    elapsed = time.monotonic() - start
+    if res.returncode != 0 or not res.stdout.strip():
+        message = _first_error_line(res.stderr) or f"py-spy exited with {res.returncode}"
+        return Dump(
+            pid,
+            error=message,
+            error_kind=classify_error(res.stderr, pid),
+            taken_at=taken_at,
+            elapsed_s=elapsed,
+        )
+    try:
+        threads = parse_pyspy_json(res.stdout)
+    except ValueError as e:
+        return Dump(
+            pid,
+            raw=res.stdout,
+            error=f"unreadable py-spy output: {e}",
+            error_kind="failed",
+            taken_at=taken_at,
+            elapsed_s=elapsed,
+        )
+    return Dump(pid, threads=threads, raw=res.stdout, taken_at=taken_at, elapsed_s=elapsed)
+
+
+def dump_many(
+    pids: Iterable[int],
+    *,
+    pyspy: str,
+    native: bool = False,
+    show_locals: bool = False,
+    timeout: float = DEFAULT_TIMEOUT,
+    on_done: Callable[[Dump], None] | None = None,
+) -> dict[int, Dump]:
+    """Dump every pid at once: a hung job is frozen, so all snapshots describe the same moment."""
+    pids = list(dict.fromkeys(pids))
+    if not pids:
+        return {}
+    out: dict[int, Dump] = {}
+    # py-spy mostly waits on the kernel (ptrace stops, process_vm_readv): more workers than
+    # cores still pays off, but hundreds of simultaneous ptrace stops do not.
+    workers = min(len(pids), 64)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="py-spy") as pool:
+        futures = {
+            pool.submit(
+                dump, pid, pyspy=pyspy, native=native, show_locals=show_locals, timeout=timeout
+            ): pid
+            for pid in pids
+        }
+        for fut in as_completed(futures):
+            d = fut.result()
+            out[d.pid] = d
+            if on_done is not None:
+                on_done(d)
+    return {pid: out[pid] for pid in pids}
+
+
+def classify_error(stderr: str, pid: int) -> str:
+    text = stderr.lower()
+    if not _pid_exists(pid):
+        return "gone"
+    if "permission denied" in text or "operation not permitted" in text or "os error 1)" in text:
+        return "permission"
+    if "unsupported version" in text or "unknown version" in text or "unsupported python" in text:
+        return "version"
+    if "failed to find python version" in text or "failed to find a python interpreter" in text:
+        return "not_python"
+    if "no such process" in text:
+        return "gone"
+    return "failed"
+
+
+def _first_error_line(stderr: str) -> str:
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    first = lines[0].removeprefix("Error: ")
+    # "Caused by:" lines hold the OS reason (Permission denied (os error 13)).
+    causes = [
+        ln.split(":", 1)[-1].strip()
+        for ln in lines[1:]
+        if ln[:1].isdigit() and ":" in ln and "os error" in ln
+    ]
+    if causes and causes[0] not in first:
+        first = f"{first} ({causes[0]})"
+    return first
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        import psutil
+
+        p = psutil.Process(pid)
+        return p.status() != psutil.STATUS_ZOMBIE
+    except Exception:
+        return False
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def parse_pyspy_json(text: str) -> list[ThreadStack]:
+    """py-spy's `dump --json` output -> threads with frames (innermost first)."""
+    data = json.loads(text)
+    if not isinstance(data, list):
+        raise ValueError("expected a list of threads")
+    threads = []
+    for t in data:
+        frames = []
+        for f in t.get("frames") or []:
+            filename = f.get("filename") or "?"
+            loc = f.get("locals")
+            locals_ = None
+            if isinstance(loc, list):
+                locals_ = tuple(
+                    (str(v.get("name")), str(v.get("repr") if v.get("repr") is not None else "?"))
+                    for v in loc
+                    if isinstance(v, dict)
+                )
+            frames.append(
+                Frame(
+                    function=f.get("name") or "?",
+                    file=filename,
+                    line=int(f.get("line") or 0),
+                    short=f.get("short_filename") or filename,
+                    locals=locals_,
+                    native=_is_native_file(filename),
+                )
+            )
+        threads.append(
+            ThreadStack(
+                thread_id=int(t.get("thread_id") or 0),
+                os_thread_id=t.get("os_thread_id"),
+                name=t.get("thread_name"),
+                active=bool(t.get("active")),
+                owns_gil=bool(t.get("owns_gil")),
+                frames=tuple(frames),
+            )
+        )
+    return threads
+
+
+def _is_native_file(filename: str) -> bool:
+    # With --native, py-spy adds C/C++ frames whose "file" is a .so, a C/C++ source or "?".
+    return filename.endswith((".so", ".c", ".cc", ".cpp", ".cu", ".h", ".hpp")) or ".so." in filename
+
+
+def with_source(threads: list[ThreadStack]) -> list[ThreadStack]:
+    """Attach the source line to every Python frame whose file is readable here.
+
+    The line tells what a frame blocked in native code waits on (`work.wait()`), which py-spy
+    alone cannot show without --native.
+    """
+    import linecache
+
+    out = []
+    for t in threads:
+        frames = []
+        for f in t.frames:
+            code = None
+            if not f.native and f.file and not f.file.startswith("<"):
+                code = linecache.getline(f.file, f.line).strip() or None
+            frames.append(
+                Frame(f.function, f.file, f.line, f.short, f.locals, f.native, code)
+                if code
+                else f
+            )
+        out.append(
+            ThreadStack(t.thread_id, t.os_thread_id, t.name, t.active, t.owns_gil, tuple(frames))
+        )
+    return out
