@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -13,30 +12,30 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 AREAL = str(VENV_BIN / "areal")
-# Process names that belong to this project; a live one created by a test is a leak.
-OURS = ("areal_cli", "torch.distributed.run", "areal ", "fake_python", "tests/scenarios")
 
 
-def our_processes(since: float) -> list[psutil.Process]:
-    me = os.getpid()
-    found = []
-    for p in psutil.process_iter(["pid", "cmdline", "create_time", "status"]):
+def our_processes(home: Path) -> list[psutil.Process]:
+    """Live processes this test started: pytest's descendants, and anything (daemons,
+    orphaned torchrun workers) that inherited this test's private AREAL_HOME."""
+    me = psutil.Process()
+    found = {p.pid: p for p in me.children(recursive=True)}
+    needle = str(home)
+    for p in psutil.process_iter(["pid"]):
+        if p.pid in found or p.pid == me.pid:
+            continue
         try:
-            if p.pid == me or p.info["create_time"] < since - 0.5:
-                continue
-            if p.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            cmd = " ".join(p.info["cmdline"] or [])
-            env_marked = False
-            try:
-                env_marked = "AREAL_JOB_MARKER" in p.environ()
-            except psutil.Error:
-                pass
-            if env_marked or any(o in cmd for o in OURS):
-                found.append(p)
+            if p.environ().get("AREAL_HOME", "").startswith(needle):
+                found[p.pid] = p
         except psutil.Error:
             continue
-    return found
+    live = []
+    for p in found.values():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                live.append(p)
+        except psutil.Error:
+            continue
+    return live
 
 
 @pytest.fixture(autouse=True)
@@ -49,17 +48,16 @@ def areal_env(tmp_path, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def no_leaked_processes(request):
+def no_leaked_processes(request, areal_env):
     """A test that leaves a process behind fails (and its leftovers are killed)."""
-    start = time.time()
+    home = areal_env[0]
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     yield
-    if request.node.get_closest_marker("allow_module_processes"):
-        return
     deadline = time.monotonic() + 5
-    left = our_processes(start)
+    left = [p for p in our_processes(home) if p.pid not in before]
     while left and time.monotonic() < deadline:
         time.sleep(0.1)
-        left = our_processes(start)
+        left = [p for p in our_processes(home) if p.pid not in before]
     if left:
         desc = [f"{p.pid}: {' '.join(p.cmdline())[:120]}" for p in left if p.is_running()]
         for p in left:
@@ -71,7 +69,21 @@ def no_leaked_processes(request):
             pytest.fail("test left processes behind:\n" + "\n".join(desc))
 
 
-def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "allow_module_processes: processes are owned by a module fixture"
-    )
+def pytest_sessionfinish(session, exitstatus):
+    """Module- and session-scoped fixtures must clean up too: nothing outlives the run."""
+    try:
+        base = session.config._tmp_path_factory.getbasetemp()
+    except Exception:
+        return
+    time.sleep(0.5)
+    left = our_processes(base)
+    if left:
+        for p in left:
+            try:
+                sys.stderr.write(
+                    f"\nleft behind after the test run: {p.pid} {' '.join(p.cmdline())[:120]}"
+                )
+                p.kill()
+            except psutil.Error:
+                pass
+        session.exitstatus = 1

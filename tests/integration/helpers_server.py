@@ -1,8 +1,8 @@
 """Start the hf reference server as a real process on loopback, talk to it, and always kill it.
 
-    with HfServer(model_dir, log_dir) as srv:
-        srv.wait_healthy()
-        srv.post("/generate", {...})
+with HfServer(model_dir, log_dir) as srv:
+    srv.wait_healthy()
+    srv.post("/generate", {...})
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class HfServer:
         """The /health status, or None while nothing listens yet."""
         try:
             return request(self.url + "/health", timeout=2)[0]
-        except (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout):
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
             return None
 
     def wait_healthy(self, timeout: float = 120) -> list[int | None]:

@@ -28,7 +28,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def server(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
-    srv = HfServer(models["base"], tmp_path_factory.mktemp("logs"), "--seed", "0", "--max-batch-size", "8")
+    srv = HfServer(
+        models["base"], tmp_path_factory.mktemp("logs"), "--seed", "0", "--max-batch-size", "8"
+    )
     try:
         srv.health_seen = srv.wait_healthy()
         srv.ready_after = time.monotonic() - srv.started
@@ -64,9 +66,13 @@ def test_info_endpoints(server: HfServer, models):
 
 
 def test_generate_shape_and_logprobs(server: HfServer):
-    body = generate(server, PROMPTS[0], {"max_new_tokens": 6, "temperature": 1.0}, return_logprob=True)
+    body = generate(
+        server, PROMPTS[0], {"max_new_tokens": 6, "temperature": 1.0}, return_logprob=True
+    )
     meta = body["meta_info"]
-    assert len(body["output_ids"]) == len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+    assert (
+        len(body["output_ids"]) == len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+    )
     assert meta["prompt_tokens"] == len(PROMPTS[0])
     assert all(lp <= 0 for lp, _, _ in meta["output_token_logprobs"])
     assert [tid for _, tid, _ in meta["output_token_logprobs"]] == body["output_ids"]
@@ -92,7 +98,9 @@ def test_text_prompt_and_batch_input(server: HfServer):
 
 
 def test_stop_token_ids_end_generation(server: HfServer):
-    free = generate(server, PROMPTS[0], {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True})
+    free = generate(
+        server, PROMPTS[0], {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    )
     ids = free["output_ids"]
     # A token whose first appearance is a few steps in, so stopping on it is visible.
     k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])
@@ -176,6 +184,26 @@ def test_pause_holds_requests_until_continue(server: HfServer):
     assert len(result["output_ids"]) == 8
 
 
+def test_weight_update_with_abort_answers_held_requests(server: HfServer, models):
+    server.post("/pause_generation")
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(generate(server, PROMPTS[3])))
+    try:
+        t.start()
+        time.sleep(0.3)
+        status, res = server.post(
+            "/update_weights_from_disk",
+            {"model_path": str(models["base"]), "abort_all_requests": True},
+        )
+        assert res["success"] is True
+        t.join(10)
+    finally:
+        server.post("/continue_generation")
+        t.join(10)
+    assert result["meta_info"]["finish_reason"]["type"] == "abort"
+    assert result["output_ids"] == []
+
+
 def test_v1_completions_with_token_ids_and_logprobs(server: HfServer, models):
     status, body = server.post(
         "/v1/completions",
@@ -212,7 +240,10 @@ def test_api_key_seed_and_sigterm(models, tmp_path: Path):
     args = ("--api-key", "sekret", "--seed", "7")
     auth = {"Authorization": "Bearer sekret"}
     params = {"max_new_tokens": 12, "temperature": 1.0}
-    with HfServer(models["base"], tmp_path, *args) as a, HfServer(models["base"], tmp_path, *args) as b:
+    with (
+        HfServer(models["base"], tmp_path, *args) as a,
+        HfServer(models["base"], tmp_path, *args) as b,
+    ):
         a.wait_healthy()
         b.wait_healthy()
         assert a.health_status() == 200
@@ -234,7 +265,10 @@ def test_api_key_seed_and_sigterm(models, tmp_path: Path):
         assert outputs[0] == outputs[1]
         assert len({tuple(o) for o in outputs[0]}) > 1
 
-        long = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+        long = {
+            "input_ids": PROMPTS[0],
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True},
+        }
         t = threading.Thread(target=lambda: _quietly(a.post, "/generate", long, headers=auth))
         t.start()
         time.sleep(0.3)

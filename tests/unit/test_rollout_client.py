@@ -92,7 +92,9 @@ class Stub:
                 "text": "",
                 "output_ids": out,
                 "meta_info": {
-                    "output_token_logprobs": [[-0.25 * (i + 1), t, None] for i, t in enumerate(out)],
+                    "output_token_logprobs": [
+                        [-0.25 * (i + 1), t, None] for i, t in enumerate(out)
+                    ],
                     "finish_reason": {"type": "length", "length": n},
                     "prompt_tokens": len(body["input_ids"]),
                     "completion_tokens": n,
@@ -266,7 +268,9 @@ def test_concurrency_is_bounded():
         addrs = await _started(stub)
         try:
             async with RolloutClient(addrs, max_concurrency=4) as client:
-                groups = await client.generate_batch([[1], [2], [3], [4], [5]], n=4, max_new_tokens=2)
+                groups = await client.generate_batch(
+                    [[1], [2], [3], [4], [5]], n=4, max_new_tokens=2
+                )
         finally:
             await _stopped(stub)
         assert stub.max_active == 4
@@ -380,7 +384,11 @@ def test_pause_update_resume_and_versions():
         assert after == {addrs[0]: "1", addrs[1]: "1"}
         assert c.weight_version == "1"
         for s in (a, b):
-            assert s.calls == ["/pause_generation", "/update_weights_from_disk", "/continue_generation"]
+            assert s.calls == [
+                "/pause_generation",
+                "/update_weights_from_disk",
+                "/continue_generation",
+            ]
             assert s.loaded_path == "/ckpt/step1"
 
     run(main())

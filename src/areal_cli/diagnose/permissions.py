@@ -1,0 +1,290 @@
+"""Can py-spy attach to these processes? Answered before dumping, with the exact fix.
+
+Linux lets a process read another one's memory (ptrace, process_vm_readv) when
+`ptrace_may_access` agrees:
+
+- Yama (`kernel.yama.ptrace_scope`): 0 same-user processes; 1 only descendants, unless the
+  tracer has CAP_SYS_PTRACE; 2 only CAP_SYS_PTRACE; 3 nobody, and it cannot be lowered until
+  reboot.
+- Without CAP_SYS_PTRACE the target must run as the same user, and its permitted capabilities
+  must be a subset of the tracer's. This is why root in a container started without
+  `--cap-add SYS_PTRACE` cannot attach to other root processes that kept more capabilities.
+- py-spy reads interpreter structs by layout, so each py-spy release knows Python versions up
+  to some release and no further.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+CAP_SYS_PTRACE = 19
+
+# Newest CPython minor each py-spy release can read (from py-spy's changelog).
+PYSPY_MAX_PYTHON: tuple[tuple[tuple[int, ...], tuple[int, int]], ...] = (
+    ((0, 3, 11), (3, 10)),
+    ((0, 3, 14), (3, 11)),
+    ((0, 4, 0), (3, 13)),
+)
+
+SUDO_RERUN = 'sudo env "PATH=$PATH" areal doctor hang ...'
+
+
+@dataclass(frozen=True)
+class Problem:
+    kind: str  # ptrace_scope | no_cap_sys_ptrace | other_user | pyspy_version
+    message: str
+    fix: str
+    pids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    pid: int
+    uid: int | None
+    cap_permitted: int | None
+    python: tuple[int, int] | None
+    is_descendant: bool
+
+
+@dataclass(frozen=True)
+class TracerInfo:
+    euid: int
+    cap_effective: int
+    ptrace_scope: int | None  # None: no Yama
+    in_container: bool
+    pyspy_version: tuple[int, ...] | None
+
+
+def problems(tracer: TracerInfo, targets: list[TargetInfo]) -> list[Problem]:
+    """Everything that will stop py-spy from reading these targets (pure: no system calls)."""
+    found: list[Problem] = []
+    has_cap = bool(tracer.cap_effective >> CAP_SYS_PTRACE & 1)
+    scope = tracer.ptrace_scope
+
+    if scope == 3:
+        found.append(
+            Problem(
+                "ptrace_scope",
+                "kernel.yama.ptrace_scope is 3: ptrace is disabled for everyone on this host",
+                "3 cannot be lowered while the system runs: set kernel.yama.ptrace_scope = 0 in "
+                "/etc/sysctl.d/10-ptrace.conf and reboot",
+            )
+        )
+        return found
+    if scope == 2 and not has_cap:
+        found.append(
+            Problem(
+                "ptrace_scope",
+                "kernel.yama.ptrace_scope is 2: only processes with CAP_SYS_PTRACE may attach",
+                f"run as root: {SUDO_RERUN}  (or: sudo sysctl -w kernel.yama.ptrace_scope=0)",
+            )
+        )
+        return found
+    if scope == 1 and not has_cap:
+        outside = tuple(t.pid for t in targets if not t.is_descendant)
+        if outside:
+            found.append(
+                Problem(
+                    "ptrace_scope",
+                    "kernel.yama.ptrace_scope is 1: only a process's ancestors may attach to "
+                    "it, and these ranks were not started by this command",
+                    "sudo sysctl -w kernel.yama.ptrace_scope=0 (keep it with "
+                    "'kernel.yama.ptrace_scope = 0' in /etc/sysctl.d/10-ptrace.conf), "
+                    f"or run as root: {SUDO_RERUN}",
+                    outside,
+                )
+            )
+            return found
+
+    if not has_cap:
+        other = tuple(t.pid for t in targets if t.uid is not None and t.uid != tracer.euid)
+        if other:
+            found.append(
+                Problem(
+                    "other_user",
+                    "these processes belong to another user, and attaching to them needs "
+                    "CAP_SYS_PTRACE",
+                    f"run as their user, or as root: {SUDO_RERUN}",
+                    other,
+                )
+            )
+        stronger = tuple(
+            t.pid
+            for t in targets
+            if t.uid == tracer.euid
+            and t.cap_permitted is not None
+            and t.cap_permitted & ~tracer.cap_effective
+        )
+        if stronger:
+            if tracer.in_container or tracer.euid == 0:
+                fix = (
+                    "start the container with CAP_SYS_PTRACE: docker run --cap-add SYS_PTRACE "
+                    "(Kubernetes: securityContext.capabilities.add: [\"SYS_PTRACE\"]), or run "
+                    "`areal doctor hang` from the host"
+                )
+            else:
+                fix = f"run as root: {SUDO_RERUN}"
+            found.append(
+                Problem(
+                    "no_cap_sys_ptrace",
+                    "this process lacks CAP_SYS_PTRACE and the targets hold capabilities it "
+                    "does not, so the kernel refuses to let it read them",
+                    fix,
+                    stronger,
+                )
+            )
+
+    if tracer.pyspy_version is not None:
+        ceiling = pyspy_max_python(tracer.pyspy_version)
+        too_new = tuple(
+            t.pid for t in targets if t.python is not None and ceiling and t.python > ceiling
+        )
+        if too_new:
+            py = max(t.python for t in targets if t.python is not None)
+            found.append(
+                Problem(
+                    "pyspy_version",
+                    f"py-spy {'.'.join(map(str, tracer.pyspy_version))} cannot read Python "
+                    f"{py[0]}.{py[1]} (it knows up to {ceiling[0]}.{ceiling[1]})",
+                    "upgrade py-spy in the environment areal runs from: pip install -U py-spy",
+                    too_new,
+                )
+            )
+    return found
+
+
+def pyspy_max_python(version: tuple[int, ...]) -> tuple[int, int] | None:
+    """The newest Python a py-spy release reads; None for releases newer than the table (trusted:
+    a failing dump is still explained afterwards)."""
+    if version > PYSPY_MAX_PYTHON[-1][0]:
+        return None
+    ceiling = (3, 9)
+    for release, py in PYSPY_MAX_PYTHON:
+        if version >= release:
+            ceiling = py
+    return ceiling
+
+
+def explain_failure(kind: str, tracer: TracerInfo) -> str:
+    """The fix to print when py-spy failed with `kind` although the preflight saw no problem."""
+    if kind == "permission":
+        if tracer.in_container:
+            return (
+                "inside a container, py-spy needs CAP_SYS_PTRACE: docker run --cap-add "
+                "SYS_PTRACE (Kubernetes: securityContext.capabilities.add: [\"SYS_PTRACE\"])"
+            )
+        return f"run as root: {SUDO_RERUN}"
+    if kind == "version":
+        return "upgrade py-spy: pip install -U py-spy"
+    if kind == "timeout":
+        return "raise --timeout; a process stopped in the kernel (D state) cannot be read at all"
+    if kind == "not_python":
+        return "the process has not started Python yet, or is not a Python program"
+    return "run py-spy dump --pid PID by hand to see its full message"
+
+
+# --------------------------------------------------------------------------- system facts
+
+
+def tracer_info(pyspy_version: tuple[int, ...] | None) -> TracerInfo:
+    return TracerInfo(
+        euid=os.geteuid(),
+        cap_effective=_caps(_read(Path("/proc/self/status")), "CapEff") or 0,
+        ptrace_scope=read_ptrace_scope(),
+        in_container=in_container(),
+        pyspy_version=pyspy_version,
+    )
+
+
+def target_info(pid: int, need_ancestry: bool = True) -> TargetInfo:
+    status = Path(f"/proc/{pid}/status")
+    try:
+        text = status.read_text()
+    except OSError:
+        text = ""
+    return TargetInfo(
+        pid=pid,
+        uid=_uid(text),
+        cap_permitted=_caps(text, "CapPrm"),
+        python=python_version_of(pid),
+        is_descendant=_is_descendant(pid) if need_ancestry else False,
+    )
+
+
+def read_ptrace_scope() -> int | None:
+    try:
+        return int(Path("/proc/sys/kernel/yama/ptrace_scope").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def in_container() -> bool:
+    if Path("/.dockerenv").exists() or Path("/run/.containerenv").exists():
+        return True
+    try:
+        cgroup = Path("/proc/1/cgroup").read_text()
+    except OSError:
+        return False
+    return any(k in cgroup for k in ("docker", "kubepods", "containerd", "libpod", "lxc"))
+
+
+_PY_RE = re.compile(r"(?:libpython|/python)(3)\.(\d+)")
+
+
+def python_version_of(pid: int) -> tuple[int, int] | None:
+    """CPython minor version of a process, from the files it maps (no attaching needed)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                m = _PY_RE.search(line)
+                if m:
+                    return int(m.group(1)), int(m.group(2))
+    except OSError:
+        pass
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return None
+    m = _PY_RE.search(exe)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _caps(status: str, field: str) -> int | None:
+    try:
+        for line in status.splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1], 16)
+    except (ValueError, IndexError):
+        return None
+    return None
+
+
+def _uid(status: str) -> int | None:
+    try:
+        for line in status.splitlines():
+            if line.startswith("Uid:"):
+                return int(line.split()[2])  # effective uid
+    except (ValueError, IndexError):
+        return None
+    return None
+
+
+def _is_descendant(pid: int) -> bool:
+    me = os.getpid()
+    try:
+        import psutil
+
+        p = psutil.Process(pid)
+        return any(a.pid == me for a in p.parents())
+    except Exception:
+        return False

@@ -1,0 +1,575 @@
+"""From per-rank stacks to a hang verdict. Pure: operates on parsed dumps, touches nothing.
+
+Per rank, the thread of interest is the main thread (or, when only another thread sits in a
+collective, that one). Its state is one of
+
+    collective  blocked in a torch.distributed call (all_reduce, barrier, init_process_group, ...)
+    busy        on CPU (py-spy reports the thread active) outside a collective
+    idle        blocked elsewhere (queue, lock, sleep, data loader)
+    missing     the process is gone
+    error       py-spy could not read it
+
+Ranks whose stacks are identical form a group. Verdicts, first match wins:
+
+    no_hang                    with several samples, every rank's stack moved
+    missing_rank               WORLD_SIZE says N, a rank's process is gone, the rest wait
+    straggler                  some ranks compute while others wait in a collective
+    collective_type_mismatch   ranks wait in different collectives
+    mismatched_collective      some ranks wait in a collective, others idle elsewhere
+    collective_stuck           every rank waits in the same collective (transport, or ranks on
+                               other hosts)
+    blocked_outside_collective nobody is in a collective, everybody is blocked
+    no_hang                    nothing waits (everybody computes)
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+from areal_cli.diagnose.stacks import Dump, Frame, ThreadStack
+
+KINDS = (
+    "mismatched_collective",
+    "collective_type_mismatch",
+    "missing_rank",
+    "blocked_outside_collective",
+    "straggler",
+    "collective_stuck",
+    "no_hang",
+)
+
+# torch.distributed entry points -> the collective they block in.
+COLLECTIVES: dict[str, str] = {
+    **dict.fromkeys(
+        ["all_reduce", "all_reduce_coalesced", "all_reduce_multigpu"],
+        "all_reduce",
+    ),
+    **dict.fromkeys(
+        [
+            "all_gather",
+            "all_gather_into_tensor",
+            "_all_gather_base",
+            "all_gather_object",
+            "all_gather_coalesced",
+            "all_gather_multigpu",
+        ],
+        "all_gather",
+    ),
+    **dict.fromkeys(
+        ["reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "reduce_scatter_multigpu"],
+        "reduce_scatter",
+    ),
+    **dict.fromkeys(
+        ["broadcast", "broadcast_object_list", "broadcast_multigpu", "_broadcast_coalesced"],
+        "broadcast",
+    ),
+    **dict.fromkeys(["barrier", "monitored_barrier"], "barrier"),
+    **dict.fromkeys(
+        [
+            "send",
+            "recv",
+            "isend",
+            "irecv",
+            "batch_isend_irecv",
+            "send_object_list",
+            "recv_object_list",
+        ],
+        "send/recv",
+    ),
+    "reduce": "reduce",
+    **dict.fromkeys(["gather", "gather_object"], "gather"),
+    **dict.fromkeys(["scatter", "scatter_object_list"], "scatter"),
+    **dict.fromkeys(["all_to_all", "all_to_all_single"], "all_to_all"),
+    "init_process_group": "init_process_group",
+    **dict.fromkeys(
+        [
+            "new_group",
+            "new_subgroups",
+            "new_subgroups_by_enumeration",
+            "_new_group_with_tag",
+            "split_group",
+            "init_device_mesh",
+        ],
+        "new_group",
+    ),
+}
+
+# C++ names seen with --native, matched when no Python-level frame names the collective.
+_NATIVE = [
+    (re.compile(r"allreduce|all_reduce", re.I), "all_reduce"),
+    (re.compile(r"allgather|all_gather", re.I), "all_gather"),
+    (re.compile(r"reduce_?scatter", re.I), "reduce_scatter"),
+    (re.compile(r"broadcast", re.I), "broadcast"),
+    (re.compile(r"barrier", re.I), "barrier"),
+    (re.compile(r"alltoall|all_to_all", re.I), "all_to_all"),
+    (re.compile(r"::(send|recv)\b", re.I), "send/recv"),
+]
+_NATIVE_SCOPE = re.compile(r"c10d::|gloo::|nccl", re.I)
+_CUDA_SYNC = re.compile(r"cu(da)?(Stream|Device|Event|Ctx)Synchronize")
+_WAIT_CALL = re.compile(r"\.wait\(\s*\)|\bwait_tensor\(")
+_LIBRARY = re.compile(
+    r"(site-packages|dist-packages)/|/lib/python3\.\d+/|/lib/pypy|^<frozen|/areal_cli/"
+)
+
+
+@dataclass
+class RankSamples:
+    """What was gathered for one rank: its dumps in sample order (a failed dump keeps its error)."""
+
+    rank: int
+    pid: int | None
+    dumps: list[Dump] = field(default_factory=list)
+    gone: bool = False  # the process is not there (never found, or exited)
+
+
+@dataclass
+class RankResult:
+    rank: int
+    pid: int | None
+    state: str  # collective | busy | idle | missing | error
+    collective: str | None = None  # normalized name ("all_reduce", "send/recv", ...)
+    op: str | None = None  # the function it sits in ("all_gather_into_tensor", "wait")
+    frame: Frame | None = None  # the user's own frame: file:line in their code
+    thread: str | None = None
+    stack: tuple[Frame, ...] = ()  # innermost first
+    progress: str | None = None  # with several samples: "moving" | "still"; busy: "slow"/"stuck"
+    error: str | None = None
+    error_kind: str | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "rank": self.rank,
+            "pid": self.pid,
+            "state": self.state,
+            "collective": self.collective,
+            "op": self.op,
+            "frame": self.frame.to_json() if self.frame else None,
+            "thread": self.thread,
+            "progress": self.progress,
+            "error": self.error,
+            "stack": [f.to_json() for f in self.stack],
+        }
+
+
+@dataclass
+class Group:
+    ranks: list[int]
+    state: str
+    collective: str | None
+    frame: Frame | None
+    stack: tuple[Frame, ...]
+
+    def to_json(self) -> dict:
+        return {
+            "ranks": self.ranks,
+            "state": self.state,
+            "collective": self.collective,
+            "frame": self.frame.to_json() if self.frame else None,
+            "stack": [f.to_json() for f in self.stack],
+        }
+
+
+@dataclass
+class Verdict:
+    kind: str
+    odd_ranks: list[int]
+    missing_ranks: list[int]
+    summary: str
+    evidence: list[str] = field(default_factory=list)
+    hint: str | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "kind": self.kind,
+            "odd_ranks": self.odd_ranks,
+            "missing_ranks": self.missing_ranks,
+            "summary": self.summary,
+            "evidence": self.evidence,
+            "hint": self.hint,
+        }
+
+
+@dataclass
+class Analysis:
+    ranks: list[RankResult]
+    groups: list[Group]
+    verdict: Verdict | None  # None when no rank could be read at all
+
+    def to_json(self) -> dict:
+        return {
+            "ranks": [r.to_json() for r in self.ranks],
+            "groups": [g.to_json() for g in self.groups],
+            "verdict": self.verdict.to_json() if self.verdict else None,
+        }
+
+
+# --------------------------------------------------------------------------- frames
+
+
+def is_user_frame(f: Frame) -> bool:
+    return not f.native and not _LIBRARY.search(f.file) and f.file != "?"
+
+
+def user_frame(frames: tuple[Frame, ...]) -> Frame | None:
+    """The innermost frame in the user's own code (not torch, not the standard library)."""
+    for f in frames:
+        if is_user_frame(f):
+            return f
+    for f in frames:  # third-party code, at least not the interpreter's own
+        if not f.native and not f.file.startswith("<"):
+            return f
+    return frames[0] if frames else None
+
+
+def find_collective(frames: tuple[Frame, ...]) -> tuple[str, str] | None:
+    """(collective, function) a stack waits in, or None.
+
+    The outermost torch.distributed entry point wins: `all_gather_object` calls `all_gather`,
+    `init_process_group` calls a barrier, and the user called the outer one.
+    """
+    for f in reversed(frames):
+        if f.native:
+            continue
+        if "torch/distributed/" in f.file.replace("\\", "/") and f.basename in COLLECTIVES:
+            return COLLECTIVES[f.basename], f.basename
+    for f in frames:
+        if f.native and _NATIVE_SCOPE.search(f.function):
+            for pattern, name in _NATIVE:
+                if pattern.search(f.function):
+                    return name, f.function.split("(")[0]
+    for f in frames:
+        if f.native and _CUDA_SYNC.search(f.function):
+            return "cuda_sync", f.function.split("(")[0]
+    if frames:
+        inner = frames[0]
+        # Blocked in C called straight from user code: the source line says on what.
+        if is_user_frame(inner) and inner.code and _WAIT_CALL.search(inner.code):
+            return "work.wait", "wait"
+        if inner.basename == "synchronize" and "torch/cuda" in inner.file:
+            return "cuda_sync", "synchronize"
+    return None
+
+
+def thread_of_interest(threads: list[ThreadStack], pid: int | None) -> ThreadStack | None:
+    main = None
+    for t in threads:
+        if pid is not None and t.os_thread_id == pid:
+            main = t
+    if main is None:
+        main = next((t for t in threads if t.name == "MainThread"), threads[0] if threads else None)
+    if main is not None and find_collective(main.frames) is None:
+        for t in threads:
+            if t is not main and t.frames and find_collective(t.frames) is not None:
+                return t
+    return main
+
+
+def _signature(frames: tuple[Frame, ...], lines: bool = True) -> tuple:
+    if lines:
+        return tuple((f.file, f.function, f.line) for f in frames)
+    return tuple((f.file, f.function) for f in frames)
+
+
+# --------------------------------------------------------------------------- per rank
+
+
+def classify_rank(rs: RankSamples) -> RankResult:
+    good = [d for d in rs.dumps if d.ok]
+    if rs.gone or (rs.dumps and rs.dumps[-1].error_kind == "gone"):
+        return RankResult(rs.rank, rs.pid, "missing", error="process is gone")
+    if not good:
+        last = rs.dumps[-1] if rs.dumps else None
+        return RankResult(
+            rs.rank,
+            rs.pid,
+            "error",
+            error=last.error if last else "not dumped",
+            error_kind=last.error_kind if last else None,
+        )
+    picks = [thread_of_interest(d.threads, rs.pid) for d in good]
+    picks = [t for t in picks if t is not None]
+    if not picks:
+        return RankResult(rs.rank, rs.pid, "error", error="no Python thread found")
+    last = picks[-1]
+    coll = find_collective(last.frames)
+    active_votes = sum(1 for t in picks if t.active)
+    busy = active_votes * 2 >= len(picks) and active_votes > 0
+    if coll is not None:
+        state = "collective"
+    elif busy:
+        state = "busy"
+    else:
+        state = "idle"
+    progress = None
+    if len(picks) > 1:
+        moved = len({_signature(t.frames) for t in picks}) > 1
+        if state == "busy":
+            # Spinning in one place keeps the same call chain (only lines move); a slow rank
+            # that works through its step calls different functions from sample to sample.
+            same_chain = len({_signature(t.frames, lines=False) for t in picks}) == 1
+            progress = "stuck" if same_chain else "slow"
+        else:
+            progress = "moving" if moved else "still"
+    return RankResult(
+        rank=rs.rank,
+        pid=rs.pid,
+        state=state,
+        collective=coll[0] if coll else None,
+        op=coll[1] if coll else None,
+        frame=user_frame(last.frames),
+        thread=last.name,
+        stack=last.frames,
+        progress=progress,
+    )
+
+
+# --------------------------------------------------------------------------- verdict
+
+
+def analyze(
+    ranks: list[RankSamples],
+    expected_ranks: list[int] | None = None,
+    multi_host: bool = False,
+) -> Analysis:
+    results = [classify_rank(r) for r in ranks]
+    known = {r.rank for r in results}
+    for missing in sorted(set(expected_ranks or ()) - known):
+        results.append(RankResult(missing, None, "missing", error="no process for this rank"))
+    results.sort(key=lambda r: r.rank)
+    groups = group_ranks(results)
+    samples = max((len(r.dumps) for r in ranks), default=1)
+    return Analysis(results, groups, decide(results, groups, samples, multi_host))
+
+
+def group_ranks(results: list[RankResult]) -> list[Group]:
+    """Equivalence classes of identical stacks, biggest first."""
+    buckets: dict[tuple, list[RankResult]] = {}
+    for r in results:
+        if r.state in ("missing", "error"):
+            continue
+        buckets.setdefault((r.state, _signature(r.stack)), []).append(r)
+    groups = [
+        Group(
+            ranks=[r.rank for r in members],
+            state=members[0].state,
+            collective=members[0].collective,
+            frame=members[0].frame,
+            stack=members[0].stack,
+        )
+        for members in buckets.values()
+    ]
+    groups.sort(key=lambda g: (-len(g.ranks), g.ranks[0]))
+    return groups
+
+
+def decide(
+    results: list[RankResult], groups: list[Group], samples: int = 1, multi_host: bool = False
+) -> Verdict | None:
+    present = [r for r in results if r.state not in ("missing", "error")]
+    missing = [r.rank for r in results if r.state == "missing"]
+    if not present:
+        return None
+    waiting = [r for r in present if r.state == "collective"]
+    busy = [r for r in present if r.state == "busy"]
+    idle = [r for r in present if r.state == "idle"]
+
+    if samples > 1 and all(r.progress in ("moving", "slow") for r in present) and not missing:
+        return Verdict(
+            "no_hang",
+            [],
+            [],
+            f"every rank's stack changed across {samples} samples: the job is making progress",
+            evidence=[_line(r) for r in present],
+        )
+
+    if missing:
+        where = _where_many(waiting or idle or busy)
+        return Verdict(
+            "missing_rank",
+            missing,
+            missing,
+            f"{_ranks_word(missing)} {'is' if len(missing) == 1 else 'are'} gone (no live "
+            f"process) while {where}",
+            evidence=[f"rank {m}: no process" for m in missing] + [_line(r) for r in present],
+            hint="read the missing rank's log for its exit (`areal logs E/T`, or torchrun's "
+            "output): it died or returned early, and the others wait for it forever",
+        )
+
+    if waiting and busy:
+        detail = ""
+        if samples > 1:
+            stuck = [r.rank for r in busy if r.progress == "stuck"]
+            slow = [r.rank for r in busy if r.progress == "slow"]
+            parts = []
+            if stuck:
+                parts.append(f"{_ranks_word(stuck)} did not leave its loop across {samples} samples (stuck)")
+            if slow:
+                parts.append(f"{_ranks_word(slow)} moved between samples (slow, not stuck)")
+            detail = "; " + "; ".join(parts)
+        else:
+            detail = "; pass --samples 5 to tell a stuck rank from a slow one"
+        return Verdict(
+            "straggler",
+            [r.rank for r in busy],
+            [],
+            f"{_ranks_word([r.rank for r in busy])} still computing at {_where(busy[0])} while "
+            f"{_where_many(waiting)}{detail}",
+            evidence=[_line(r) for r in busy + waiting],
+            hint="look at what the busy rank does at that line: data-dependent work "
+            "(uneven batch, a rank-0-only eval or checkpoint) makes the others wait",
+        )
+
+    if waiting:
+        kinds = Counter(r.collective for r in waiting)
+        if len(kinds) > 1:
+            # The biggest group is taken as the rest of the job; ties go to the lowest rank.
+            order = sorted(
+                kinds, key=lambda k: (-kinds[k], min(r.rank for r in waiting if r.collective == k))
+            )
+            main = order[0]
+            odd = sorted([r.rank for r in waiting if r.collective != main] + [r.rank for r in idle])
+            tie = kinds[order[0]] == kinds[order[1]]
+            by_kind = "; ".join(
+                f"{_ranks_word([r.rank for r in waiting if r.collective == k])} in {k} at "
+                f"{_where(next(r for r in waiting if r.collective == k))}"
+                for k in order
+            )
+            return Verdict(
+                "collective_type_mismatch",
+                odd,
+                [],
+                f"ranks wait in different collectives: {by_kind}"
+                + (" (groups of equal size: either side may have taken the wrong branch)" if tie else ""),
+                evidence=[_line(r) for r in waiting + idle],
+                hint="every rank must call the same collectives in the same order; look for "
+                "rank-dependent branches before these lines",
+            )
+        if idle:
+            coll = waiting[0].collective
+            return Verdict(
+                "mismatched_collective",
+                [r.rank for r in idle],
+                [],
+                f"{_where_many(waiting)}, but {_ranks_word([r.rank for r in idle])} never "
+                f"joined: {'it is' if len(idle) == 1 else 'they are'} at {_where(idle[0])}",
+                evidence=[_line(r) for r in waiting + idle],
+                hint=f"find why {_ranks_word([r.rank for r in idle])} skipped the {coll}: a "
+                "rank-dependent branch, an early return, or an exception caught and ignored",
+            )
+        sites = {(r.frame.file, r.frame.line) if r.frame else None for r in waiting}
+        extra = (
+            "; call sites differ, so the calls may not pair up (different process groups, "
+            "shapes or order)"
+            if len(sites) > 1
+            else ""
+        )
+        if multi_host:
+            hint = "ranks on other hosts were not inspected: run `areal doctor hang` there too"
+        else:
+            hint = (
+                "the collective itself does not complete: check the transport with "
+                "`areal doctor env --preset nccl-bisect` and `areal doctor allreduce`"
+            )
+        return Verdict(
+            "collective_stuck",
+            [],
+            [],
+            f"every rank here waits in {waiting[0].collective} ({_where(waiting[0])}){extra}",
+            evidence=[_line(r) for r in waiting],
+            hint=hint,
+        )
+
+    if busy:
+        still = ""
+        if samples > 1:
+            stuck = [r.rank for r in busy if r.progress == "stuck"]
+            if stuck:
+                still = f"; {_ranks_word(stuck)} stayed in the same loop across {samples} samples"
+        text = f"no rank waits in a collective; {_ranks_word([r.rank for r in busy])} computing"
+        if idle:
+            text += f", {_ranks_word([r.rank for r in idle])} idle at {_where(idle[0])}"
+        return Verdict(
+            "no_hang",
+            [],
+            [],
+            text + still,
+            evidence=[_line(r) for r in present],
+            hint=None if samples > 1 else "pass --samples 5 to see whether the stacks move",
+        )
+
+    odd: list[int] = []
+    live_groups = [g for g in groups if g.state == "idle"]
+    if len(live_groups) > 1:
+        odd = sorted(r for g in live_groups[1:] for r in g.ranks)
+    return Verdict(
+        "blocked_outside_collective",
+        odd,
+        [],
+        f"no rank is in a collective; {_where_many(idle, verb='blocked')}",
+        evidence=[_line(r) for r in idle],
+        hint="the wait is in your own code or a library: a queue nobody fills, a lock, a "
+        "data loader or a server call; the frames above say which",
+    )
+
+
+# --------------------------------------------------------------------------- wording
+
+
+def _ranks_word(ranks: list[int]) -> str:
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + _compress(ranks)
+
+
+def _compress(ranks: list[int]) -> str:
+    """[0,1,2,5] -> "0-2,5"."""
+    out, start, prev = [], None, None
+    for r in ranks:
+        if start is None:
+            start = prev = r
+        elif r == prev + 1:
+            prev = r
+        else:
+            out.append(f"{start}-{prev}" if prev > start else f"{start}")
+            start = prev = r
+    if start is not None:
+        out.append(f"{start}-{prev}" if prev > start else f"{start}")
+    return ",".join(out)
+
+
+def _where(r: RankResult) -> str:
+    if r.frame is None:
+        return "an unknown place"
+    return f"{r.frame.where()} in {r.frame.function}"
+
+
+def _where_many(rs: list[RankResult], verb: str | None = None) -> str:
+    if not rs:
+        return "nothing else runs"
+    by_place: dict[str, list[int]] = {}
+    for r in rs:
+        what = verb or ("wait in " + r.collective if r.collective else r.state)
+        key = f"{what} at {_where(r)}"
+        by_place.setdefault(key, []).append(r.rank)
+    parts = []
+    for key, ranks in by_place.items():
+        verb_word = key
+        if len(ranks) == 1 and key.startswith("wait "):
+            verb_word = "waits " + key[5:]
+        parts.append(f"{_ranks_word(ranks)} {verb_word}")
+    return "; ".join(parts)
+
+
+def _line(r: RankResult) -> str:
+    what = {
+        "collective": f"waits in {r.collective}" + (f" ({r.op})" if r.op and r.op != r.collective else ""),
+        "busy": "computing",
+        "idle": "idle",
+    }.get(r.state, r.state)
+    where = _where(r)
+    pid = f" (pid {r.pid})" if r.pid else ""
+    prog = f" [{r.progress}]" if r.progress else ""
+    return f"rank {r.rank}{pid}: {what} at {where}{prog}"

@@ -1,0 +1,234 @@
+"""`areal serve` supervision with real processes: a stand-in server binary (tests/fixtures/
+fake_python.py) that answers /health and forks a grandchild, so teardown is tested fast."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from areal_cli.registry import FileRegistry
+from tests.helpers import AREAL, FAKE_PYTHON, areal, fake_serve_args
+
+
+@pytest.fixture
+def model(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    return d
+
+
+def _pids(pidfile):
+    if not pidfile.exists():
+        return []
+    return [int(x) for line in pidfile.read_text().split("\n") if line for x in line.split()]
+
+
+def _wait(pred, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return pred()
+
+
+def _entries(reg_root):
+    return FileRegistry(reg_root).list().servers
+
+
+def test_detach_ps_logs_stop(model, areal_env, tmp_path):
+    home, reg = areal_env
+    pidfile = tmp_path / "pids"
+    env = {"FAKE_SERVER_PIDFILE": str(pidfile)}
+    out = areal(*fake_serve_args(model, "--alloc", "hf:d2", "--detach", "--json"), env=env, check=0)
+    info = json.loads(out.stdout)
+    assert len(info["servers"]) == 2
+    # Registered in AReaL's layout: gen_servers/<id>/ENTRY holds host:port and nothing else.
+    gen = reg / os.environ.get("USER", "root") / "default" / "trial0" / "gen_servers"
+    for d in gen.iterdir():
+        assert os.listdir(d) == ["ENTRY"]
+        assert (d / "ENTRY").read_text() in {s["addr"] for s in info["servers"]}
+    ps = json.loads(areal("ps", "--json", check=0).stdout)
+    (job,) = ps
+    assert job["experiment"] == "default" and job["trial"] == "trial0" and job["kind"] == "serve"
+    assert job["state"] == "running" and all(s["healthy"] for s in job["servers"])
+    assert set(job["pids"]) >= {s["pid"] for s in info["servers"]}
+    logs = areal("logs", "default/trial0", "--role", "server", "--index", "1", check=0).stdout
+    assert "[server-1]" in logs and "fake server listening" in logs and "[server-0]" not in logs
+    # A second job with the same experiment/trial is refused, naming the running one.
+    again = areal(*fake_serve_args(model, "--detach"), check=2)
+    assert "already running" in again.stderr and "default/trial0" in again.stderr
+    areal("stop", "default/trial0", check=0)
+    assert _wait(lambda: not any(psutil.pid_exists(p) for p in _pids(pidfile)), 5)
+    assert _entries(reg) == []
+    ps = json.loads(areal("ps", "--all", "--json", check=0).stdout)
+    assert ps[0]["state"] == "stopped"
+
+
+def test_sigint_tears_down_everything(model, areal_env, tmp_path):
+    home, reg = areal_env
+    pidfile = tmp_path / "pids"
+    env = {**os.environ, "FAKE_REAL_PYTHON": os.sys.executable, "FAKE_SERVER_PIDFILE": str(pidfile)}
+    proc = subprocess.Popen([AREAL, *fake_serve_args(model, "--alloc", "hf:d2")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert _wait(lambda: len(_entries(reg)) == 2, 20), "servers never registered"
+        assert len(_pids(pidfile)) == 4  # two servers, two grandchildren
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=15)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "[server-0]" in err and "healthy" in err
+    assert not any(psutil.pid_exists(p) for p in _pids(pidfile))
+    assert _entries(reg) == []
+
+
+def test_sigkill_of_areal_still_kills_servers_and_grandchildren(model, areal_env, tmp_path):
+    home, reg = areal_env
+    pidfile = tmp_path / "pids"
+    env = {**os.environ, "FAKE_REAL_PYTHON": os.sys.executable, "FAKE_SERVER_PIDFILE": str(pidfile)}
+    proc = subprocess.Popen([AREAL, *fake_serve_args(model, "--alloc", "hf:d2")], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        assert _wait(lambda: len(_entries(reg)) == 2, 20)
+        pids = _pids(pidfile)
+        proc.kill()
+        proc.wait()
+        killed_at = time.monotonic()
+        assert _wait(lambda: not any(psutil.pid_exists(p) for p in pids), 8), "survivors"
+        took = time.monotonic() - killed_at
+    finally:
+        proc.kill()
+    assert took < 5, f"teardown after SIGKILL took {took:.1f}s"
+    assert _wait(lambda: _entries(reg) == [], 3)
+    rec = json.loads(areal("ps", "--all", "--json", check=0).stdout)[0]
+    assert rec["state"] == "killed"
+
+
+def test_health_timeout_exits_3(model):
+    res = areal(
+        *fake_serve_args(model, "--health-timeout", "1"), env={"FAKE_SERVER_MODE": "never"}, check=3
+    )
+    assert "not healthy after 1s" in res.stderr and "server-0" in res.stderr
+
+
+def test_replica_crashing_at_start_is_reported_root_cause_first(model, areal_env):
+    res = areal(
+        *fake_serve_args(model, "--alloc", "hf:d2"), env={"FAKE_SERVER_MODE": "crash"}, check=1
+    )
+    assert "failed while starting: exit code 7" in res.stderr
+    assert "fatal: cannot load model" in res.stderr  # the log tail
+    assert _entries(areal_env[1]) == []
+
+
+def test_lost_replica_is_deregistered_and_others_keep_serving(model, areal_env, tmp_path):
+    home, reg = areal_env
+    out = json.loads(
+        areal(*fake_serve_args(model, "--alloc", "hf:d2", "--detach", "--json"), check=0).stdout
+    )
+    try:
+        victim = out["servers"][0]
+        psutil.Process(victim["pid"]).kill()
+        # Readers never get the dead server, even before the supervisor notices.
+        assert victim["addr"] not in [e.addr for e in _entries(reg)]
+        assert _wait(lambda: len(_entries(reg)) == 1, 5)
+        job = json.loads(areal("ps", "--json", check=0).stdout)[0]
+        assert job["state"] == "running"
+        assert [s["healthy"] for s in job["servers"]] == [False, True]
+    finally:
+        areal("stop", "default/trial0", check=0)
+
+
+def test_dry_run_starts_nothing(model, areal_env):
+    res = areal(*fake_serve_args(model, "--alloc", "hf:d2", "--dry-run", "--json"), check=0)
+    plan = json.loads(res.stdout)
+    assert [p["port"] for p in plan["processes"]] == sorted(p["port"] for p in plan["processes"])
+    assert plan["processes"][0]["argv"][1:3] == ["-m", "areal_cli.server"]
+    assert all(p["env"]["CUDA_VISIBLE_DEVICES"] == "" for p in plan["processes"])
+    assert not (areal_env[0] / "jobs").exists()
+
+
+def test_port_base_in_use_names_the_holder(model):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        res = areal(*fake_serve_args(model, "--port-base", str(port)), check=2)
+    assert f"port {port}" in res.stderr and f"pid {os.getpid()}" in res.stderr
+
+
+def test_bad_input_exits_2_without_traceback(model, tmp_path):
+    cases = [
+        (["serve", "--model", str(model), "--alloc", "sglang:d0"], "bad allocation"),
+        (
+            ["serve", "--model", str(model), "--alloc", "sglang.d4p1t1+d4p1t1"],
+            "sglang:d4t1+fsdp:d4",
+        ),
+        (["serve", "--model", str(model), "--alloc", "hf:d1+fsdp:d2"], "train component"),
+        (["serve", "--model", str(tmp_path / "nope")], "does not exist"),
+        (["serve", "--model", str(model), "--backend", "sglang"], "needs GPUs"),
+        (
+            ["serve", "--model", str(model), "--backend", "sglang", "--gpus", "0"],
+            "areal-cli[sglang]",
+        ),
+        (["serve", "--model", str(model), "--backend", "vllm", "--gpus", "0"], "areal-cli[vllm]"),
+        (["serve", "--model", str(model), "--backend", "nope"], "unknown backend"),
+        (
+            ["serve", "--model", str(model), "--python", str(tmp_path / "nopython")],
+            "does not exist",
+        ),
+        (["serve", "--model", str(model), "--gpus", "0,x"], "not a GPU index"),
+        (["serve", "--model", str(model), "--experiment", "a/b"], "not usable"),
+        (["serve", "--model", str(model), "--no-such-flag"], "No such option"),
+        (["stop", "nope"], "EXPERIMENT/TRIAL"),
+        (["stop", "a/b"], "no job a/b"),
+        (["logs", "a/b"], "no job a/b"),
+    ]
+    for args, needle in cases:
+        res = areal(*args)
+        assert res.returncode == 2, (args, res.stderr)
+        assert needle in res.stderr, (args, res.stderr)
+        assert "Traceback" not in res.stderr, (args, res.stderr)
+
+
+def test_config_file_and_unknown_key(model, tmp_path):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(f"backend: hf\nmodel: {model}\nalloc: hf:d2\nexperiment: fromyaml\n")
+    plan = json.loads(areal("serve", "--config", str(cfg), "--dry-run", "--json", check=0).stdout)
+    assert plan["experiment"] == "fromyaml" and len(plan["processes"]) == 2
+    cfg.write_text("modle: x\n")
+    assert "unknown key 'modle'" in areal("serve", "--config", str(cfg), check=2).stderr
+    cfg.write_text("model: [unclosed\n")
+    assert "not valid YAML" in areal("serve", "--config", str(cfg), check=2).stderr
+
+
+def test_api_key_auto_beyond_loopback(model, areal_env):
+    home, reg = areal_env
+    plan = json.loads(
+        areal(*fake_serve_args(model, "--host", "0.0.0.0", "--dry-run", "--json"), check=0).stdout
+    )
+    assert plan["api_key"] == "<set>" and "<api-key>" in plan["processes"][0]["argv"]
+    plan = json.loads(
+        areal(
+            *fake_serve_args(
+                model, "--host", "0.0.0.0", "--api-key", "none", "--dry-run", "--json"
+            ),
+            check=0,
+        ).stdout
+    )
+    assert plan["api_key"] is None
+    plan = json.loads(areal(*fake_serve_args(model, "--dry-run", "--json"), check=0).stdout)
+    assert plan["api_key"] is None  # loopback needs none
+
+
+def test_fake_script_python_is_used(model):
+    plan = json.loads(areal(*fake_serve_args(model, "--dry-run", "--json"), check=0).stdout)
+    assert plan["processes"][0]["argv"][0] == FAKE_PYTHON
