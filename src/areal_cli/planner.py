@@ -108,8 +108,8 @@ def _plan_servers(p, role: ServerRole, inventory, free, held, log_dir, check_pac
     if on_gpu and need > len(free):
         raise UsageError(
             f"the plan needs {need} GPUs ({role.replicas} replicas x {role.gpus_per_replica}), "
-            f"but only {len(free)} are free ({_source(inventory)}: {inventory.ids})",
-            hint=_held_hint(held) or "lower d/t, or pass --gpus with more devices",
+            f"but only {len(free)} are free ({_source(inventory)}: {inventory.ids})" + _held_text(held),
+            hint="lower d/t, or pass --gpus with more devices",
         )
     if check_packages:
         backends.check_installed(backend, role.python)
@@ -142,8 +142,8 @@ def _plan_trainer(p, spec: JobSpec, t: TrainerRole, inventory, free, held, log_d
     if on_gpu and t.nproc > len(free):
         raise UsageError(
             f"training needs {t.nproc} GPUs on this node but only {len(free)} are free "
-            f"({_source(inventory)}: {inventory.ids})",
-            hint=_held_hint(held) or "lower the fsdp world size or pass --gpus",
+            f"({_source(inventory)}: {inventory.ids})" + _held_text(held),
+            hint="stop servers you do not need (areal ps), lower the fsdp world size or pass --gpus",
         )
     cap = int(os.environ.get("AREAL_MAX_CPU_RANKS", max(8, os.cpu_count() or 1)))
     if not on_gpu and t.nproc > cap:
@@ -255,8 +255,8 @@ def _source(inv) -> str:
     )
 
 
-def _held_hint(held: dict[int, str]) -> str | None:
+def _held_text(held: dict[int, str]) -> str:
     if not held:
-        return None
+        return ""
     parts = [f"GPU {g}: {who}" for g, who in sorted(held.items())]
-    return "held by registered servers: " + "; ".join(parts)
+    return "; held by registered servers: " + "; ".join(parts)

@@ -1,0 +1,82 @@
+"""Plans for GPU hosts, and sglang/vllm argv checked against their documented flags."""
+
+import os
+
+import pytest
+
+from areal_cli import planner
+from areal_cli.errors import UsageError
+from areal_cli.spec import JobSpec, ServerRole, TrainerRole
+
+# From `python -m sglang.launch_server --help` / the server-arguments page.
+SGLANG_FLAGS = {"--model-path", "--host", "--port", "--tp-size", "--pp-size", "--random-seed",
+                "--base-gpu-id", "--mem-fraction-static", "--api-key"}  # fmt: skip
+# From `vllm serve --help` / the engine-arguments page.
+VLLM_FLAGS = {"--host", "--port", "--tensor-parallel-size", "--pipeline-parallel-size", "--seed",
+              "--gpu-memory-utilization", "--api-key"}  # fmt: skip
+
+
+def flags(argv):
+    return {a for a in argv if a.startswith("--")}
+
+
+@pytest.fixture
+def four_gpus(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+
+
+def spec(backend, d, t, model, **kw):
+    role = ServerRole(backend=backend, model_path=str(model), replicas=d, tp=t, python="python",
+                      host=kw.pop("host", "127.0.0.1"))  # fmt: skip
+    return JobSpec(experiment="e", trial="t", servers=role, **kw)
+
+
+def test_sglang_plan_slices_gpus(tmp_path, four_gpus):
+    p = planner.plan(spec("sglang", 2, 2, tmp_path), tmp_path, tmp_path / "r", check_packages=False)
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in p.servers] == ["0,1", "2,3"]
+    argv = p.servers[0].argv
+    assert argv[:3] == ["python", "-m", "sglang.launch_server"]
+    assert flags(argv) <= SGLANG_FLAGS
+    assert argv[argv.index("--tp-size") + 1] == "2" and argv[argv.index("--base-gpu-id") + 1] == "0"
+    assert p.servers[0].port != p.servers[1].port
+
+
+def test_vllm_plan(tmp_path, four_gpus):
+    p = planner.plan(spec("vllm", 1, 4, tmp_path, host="0.0.0.0"), tmp_path, tmp_path / "r",
+                     check_packages=False)  # fmt: skip
+    argv = p.servers[0].argv
+    assert argv[1:3] == ["serve", str(tmp_path)] and flags(argv) <= VLLM_FLAGS
+    # Bound beyond loopback: a key is generated and handed to the server.
+    assert p.api_key and argv[argv.index("--api-key") + 1] == p.api_key
+
+
+def test_fewer_gpus_than_planned(tmp_path, four_gpus):
+    with pytest.raises(UsageError, match="needs 8 GPUs"):
+        planner.plan(spec("sglang", 4, 2, tmp_path), tmp_path, tmp_path / "r", check_packages=False)
+
+
+def test_no_gpu_only_hf(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(UsageError, match="needs GPUs"):
+        planner.plan(spec("vllm", 1, 1, tmp_path), tmp_path, tmp_path / "r", check_packages=False)
+    p = planner.plan(spec("hf", 2, 1, tmp_path), tmp_path, tmp_path / "r", check_packages=False)
+    assert all(s.gpus == [] and "--device" in s.argv for s in p.servers)
+
+
+def test_trainer_takes_gpus_no_server_holds(tmp_path, four_gpus):
+    from areal_cli import settings
+    from areal_cli.registry import FileRegistry, ServerEntry
+
+    FileRegistry(tmp_path / "r").register(ServerEntry(
+        id="x", addr="127.0.0.1:1", experiment="other", trial="t", host=settings.hostname(),
+        pid=os.getpid(), gpus=[0, 1]))  # fmt: skip
+    t = TrainerRole(script="train.py", script_args=("--config", "c.yaml"), nproc=2, alloc="fsdp:d2")
+    s = JobSpec(experiment="e", trial="t", trainer=t, external_servers=("127.0.0.1:1",),
+                external_backend="sglang")  # fmt: skip
+    p = planner.plan(s, tmp_path, tmp_path / "r")
+    (tr,) = p.trainers
+    assert tr.env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert tr.env["NCCL_CUMEM_ENABLE"] == "0" and tr.env["AREAL_LLM_SERVER_ADDRS"] == "127.0.0.1:1"
+    t3 = TrainerRole(script="train.py", script_args=(), nproc=3, alloc="fsdp:d3")
+    with pytest.raises(UsageError, match="GPU 0: other/t"):
+        planner.plan(JobSpec(experiment="e", trial="t", trainer=t3), tmp_path, tmp_path / "r")
