@@ -79,7 +79,7 @@ def wait_detached(
             )
         if time.monotonic() > deadline:
             raise WaitTimeout(f"job {plan.experiment}/{plan.trial} not ready in time")
-        time.sleep(0.05)
+        time.sleep(0.02)
 
 
 def supervisor_log(plan: Plan) -> Path:

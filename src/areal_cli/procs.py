@@ -114,9 +114,10 @@ def pid_alive(pid: int, create_time: float | None = None) -> bool:
     """True when pid runs and, if given, is the same process (not a reused pid)."""
     try:
         p = psutil.Process(pid)
-        if p.status() == psutil.STATUS_ZOMBIE:
-            return False
-        return create_time is None or abs(p.create_time() - create_time) < 1.0
+        with p.oneshot():
+            if p.status() == psutil.STATUS_ZOMBIE:
+                return False
+            return create_time is None or abs(p.create_time() - create_time) < 1.0
     except psutil.Error:
         return False
 

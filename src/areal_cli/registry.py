@@ -47,11 +47,17 @@ class ServerEntry:
     # False for entries without our metadata (e.g. registered by AReaL itself).
     managed: bool = True
 
-    def is_alive(self, now: float | None = None) -> bool:
+    def is_alive(self, now: float | None = None, _cache: dict | None = None) -> bool:
         if not self.managed:
             return True  # nothing to judge by; the caller's health probe decides
         if self.host == settings.hostname() and self.pid is not None:
-            if not procs.pid_alive(self.pid, self.pid_create_time):
+            key = (self.pid, self.pid_create_time)
+            alive = _cache.get(key) if _cache is not None else None
+            if alive is None:
+                alive = procs.pid_alive(self.pid, self.pid_create_time)
+                if _cache is not None:
+                    _cache[key] = alive
+            if not alive:
                 return False
         if self.heartbeat is not None:
             return (now or time.time()) - self.heartbeat <= self.ttl
@@ -107,18 +113,19 @@ class FileRegistry:
         if experiment and trial:
             trial_dirs = [base / experiment / trial]
         elif experiment:
-            trial_dirs = _subdirs(base / experiment)
+            trial_dirs = [Path(t) for t in _subdirs(base / experiment)]
         else:
-            trial_dirs = [t for e in _subdirs(base) for t in _subdirs(e)]
+            trial_dirs = [Path(t) for e in _subdirs(base) for t in _subdirs(e)]
         out = Listing(servers=[])
         now = time.time()
+        alive_cache: dict = {}
         for tdir in trial_dirs:
             sdir = tdir / SERVERS_KEY
             for d in _subdirs(sdir):
                 entry, reason = self._read(tdir, d)
                 if entry is None:
                     out.skipped.append((str(d), reason or "unreadable"))
-                elif include_dead or entry.is_alive(now):
+                elif include_dead or entry.is_alive(now, alive_cache):
                     out.servers.append(entry)
                 else:
                     out.skipped.append((str(d), "dead"))
@@ -135,35 +142,33 @@ class FileRegistry:
                 gone += 1
         return gone
 
-    def _read(self, tdir: Path, d: Path) -> tuple[ServerEntry | None, str | None]:
+    def _read(self, tdir: Path, d: str) -> tuple[ServerEntry | None, str | None]:
+        # Plain strings and os calls: this runs once per server on every listing.
         experiment, trial = tdir.parent.name, tdir.name
         files = _files(d)
         if files != ["ENTRY"]:
             return None, "half-written" if any(".tmp" in f for f in files) else "no ENTRY"
         try:
-            addr = (d / "ENTRY").read_text().strip()
+            addr = _slurp(os.path.join(d, "ENTRY")).decode(errors="replace").strip()
         except OSError:
             return None, "unreadable ENTRY"
         if not _looks_like_addr(addr):
             return None, f"ENTRY holds {addr[:40]!r}, not host:port"
-        meta_file = tdir / META_KEY / d.name / "ENTRY"
+        sid = os.path.basename(d)
+        meta_file = os.path.join(str(tdir), META_KEY, sid, "ENTRY")
         try:
-            raw = meta_file.read_text()
+            raw = _slurp(meta_file)
         except FileNotFoundError:
-            return (
-                ServerEntry(
-                    id=d.name, addr=addr, experiment=experiment, trial=trial, managed=False
-                ),
-                None,
-            )
+            return ServerEntry(
+                id=sid, addr=addr, experiment=experiment, trial=trial, managed=False
+            ), None
         except OSError:
             return None, "unreadable metadata"
         try:
             meta = json.loads(raw)
-            meta.update(id=d.name, addr=addr, experiment=experiment, trial=trial)
-            known = ServerEntry.__dataclass_fields__
-            return ServerEntry(**{k: v for k, v in meta.items() if k in known}), None
-        except (ValueError, TypeError):
+            meta.update(id=sid, addr=addr, experiment=experiment, trial=trial)
+            return ServerEntry(**{k: v for k, v in meta.items() if k in _FIELDS}), None
+        except (ValueError, TypeError, AttributeError):
             return None, "corrupt metadata"
 
     def _entry_file(self, e: ServerEntry) -> Path:
@@ -191,18 +196,29 @@ def _looks_like_addr(s: str) -> bool:
     return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
-def _subdirs(p: Path) -> list[Path]:
+def _subdirs(p: Path | str) -> list[str]:
     try:
-        return [Path(e.path) for e in os.scandir(p) if e.is_dir() and not e.name.startswith(".")]
+        return [e.path for e in os.scandir(p) if e.is_dir() and not e.name.startswith(".")]
     except OSError:
         return []
 
 
-def _files(p: Path) -> list[str]:
+def _files(p: str) -> list[str]:
     try:
-        return sorted(e.name for e in os.scandir(p) if e.is_file())
+        return sorted(os.listdir(p))
     except OSError:
         return []
+
+
+def _slurp(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.read(fd, 1 << 20)
+    finally:
+        os.close(fd)
+
+
+_FIELDS = frozenset(ServerEntry.__dataclass_fields__)
 
 
 def _prune_empty(d: Path, stop: Path) -> None:

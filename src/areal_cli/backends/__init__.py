@@ -87,6 +87,11 @@ def get(name: str) -> Backend:
 
 def check_installed(backend: Backend, python: str) -> None:
     """Refuse early when the backend's package is missing from the interpreter that runs it."""
+    import os
+    import sys
+
+    if backend.name == "hf" and os.path.realpath(python) == os.path.realpath(sys.executable):
+        return  # our own interpreter runs our own server
     probe = (
         "import importlib.util, sys; "
         f"sys.exit(0 if importlib.util.find_spec({backend.package!r}) else 3)"

@@ -1,0 +1,417 @@
+"""`areal doctor check`: is this host ready to run and debug jobs? One row per fact, each pass,
+warn or fail with the fix to apply."""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import psutil
+
+from areal_cli import procs, settings
+
+PASS, WARN, FAIL = "pass", "warn", "fail"
+SHM_WARN_BYTES = 1 << 30  # NCCL's shared-memory transport and DataLoader workers live in /dev/shm
+SHM_FAIL_BYTES = 256 << 20  # Docker's 64 MiB default breaks NCCL with "unhandled system error"
+NOFILE_WANT = 65536
+
+
+@dataclass
+class Row:
+    name: str
+    status: str  # pass | warn | fail
+    detail: str
+    fix: str | None = None
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "status": self.status, "detail": self.detail, "fix": self.fix}
+
+
+def run_checks(home: str | Path | None = None, registry: str | Path | None = None) -> list[Row]:
+    rows = [python_row(), *torch_rows(), gpus_row()]
+    rows += [package_row(p) for p in ("transformers", "sglang", "vllm")]
+    rows += [pyspy_row(), shm_row(), nofile_row()]
+    rows += registry_rows(settings.registry_root(registry))
+    rows += [leftovers_row(settings.home(home))]
+    return rows
+
+
+# --------------------------------------------------------------------------- software
+
+
+def python_row() -> Row:
+    v = sys.version_info
+    detail = f"{platform.python_version()} ({sys.executable})"
+    if v < (3, 10):
+        return Row("python", FAIL, detail, "use Python 3.10 or newer")
+    return Row("python", PASS, detail)
+
+
+def torch_rows() -> list[Row]:
+    try:
+        version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return [
+            Row(
+                "torch",
+                FAIL,
+                "not installed",
+                "install PyTorch for your CUDA version: https://pytorch.org/get-started/locally/",
+            )
+        ]
+    rows = [Row("torch", PASS, version)]
+    # CUDA and NCCL versions are only known to torch itself.
+    try:
+        import torch
+    except Exception as e:  # a broken install must not break the report
+        return rows + [Row("cuda", FAIL, f"import torch failed: {e}", "reinstall PyTorch")]
+    cuda = torch.version.cuda
+    if cuda is None:
+        rows.append(
+            Row(
+                "cuda",
+                WARN,
+                "CPU-only PyTorch build: training runs on gloo only",
+                "for GPUs install a CUDA build: pip install torch --index-url "
+                "https://download.pytorch.org/whl/cu124",
+            )
+        )
+        rows.append(Row("nccl", WARN, "not available in a CPU-only build", "see the cuda row"))
+        return rows
+    if not torch.cuda.is_available():
+        rows.append(
+            Row(
+                "cuda",
+                FAIL,
+                f"built for CUDA {cuda} but no GPU is usable",
+                "check nvidia-smi, the driver version, and CUDA_VISIBLE_DEVICES",
+            )
+        )
+    else:
+        rows.append(Row("cuda", PASS, f"{cuda}, {torch.cuda.device_count()} device(s) visible"))
+    try:
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        rows.append(Row("nccl", PASS, nccl))
+    except Exception as e:
+        rows.append(Row("nccl", FAIL, f"unknown ({e})", "reinstall a CUDA build of PyTorch"))
+    return rows
+
+
+def gpus_row() -> Row:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return Row("gpus", WARN, "nvidia-smi not found: no NVIDIA GPUs on this host", None)
+    from areal_cli import gpus
+
+    found = gpus.query_nvidia_smi()
+    if not found:
+        return Row(
+            "gpus",
+            FAIL,
+            "nvidia-smi is there but lists no GPU (driver not loaded?)",
+            "run nvidia-smi by hand; reinstall or reload the NVIDIA driver",
+        )
+    names = sorted({g.name for g in found})
+    used = [g for g in found if (g.memory_used_mib or 0) > 1024]
+    detail = f"{len(found)} x {', '.join(names)}"
+    if used:
+        return Row(
+            "gpus",
+            WARN,
+            detail + f"; GPU {','.join(str(g.index) for g in used)} already hold memory",
+            "see the leftover row; nvidia-smi shows which process holds them",
+        )
+    return Row("gpus", PASS, detail)
+
+
+def package_row(name: str) -> Row:
+    optional = name in ("sglang", "vllm")
+    try:
+        return Row(name, PASS, metadata.version(name))
+    except metadata.PackageNotFoundError:
+        if optional:
+            return Row(
+                name,
+                WARN,
+                "not installed (optional: needed for --backend " + name + ")",
+                f"pip install 'areal-cli[{name}]'",
+            )
+        return Row(name, FAIL, "not installed", f"pip install {name}")
+
+
+# --------------------------------------------------------------------------- py-spy
+
+
+def pyspy_row() -> Row:
+    from areal_cli.diagnose import permissions, stacks
+
+    exe = stacks.find_pyspy()
+    if exe is None:
+        return Row(
+            "py-spy", FAIL, "not installed: `areal doctor hang` cannot read stacks",
+            f"{sys.executable} -m pip install py-spy",
+        )
+    version = stacks.pyspy_version(exe)
+    vtext = ".".join(map(str, version)) if version else "unknown version"
+    # A real attach to a short-lived child of ours: the one test that tells the truth.
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        d = None
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            d = stacks.dump(child.pid, pyspy=exe, timeout=5)
+            if d.ok or d.error_kind not in ("not_python", "failed"):
+                break
+            time.sleep(0.1)  # the interpreter is still starting
+    finally:
+        child.kill()
+        child.wait()
+    tracer = permissions.tracer_info(version)
+    if d is not None and d.ok:
+        scope = tracer.ptrace_scope
+        if scope == 1 and not (tracer.cap_effective >> permissions.CAP_SYS_PTRACE & 1):
+            return Row(
+                "py-spy",
+                WARN,
+                f"{vtext} at {exe}: attaches to its own children only (kernel.yama.ptrace_scope=1)",
+                "sudo sysctl -w kernel.yama.ptrace_scope=0, or run `areal doctor hang` with sudo",
+            )
+        return Row("py-spy", PASS, f"{vtext} at {exe}, attach works")
+    kind = d.error_kind if d else "failed"
+    err = d.error if d else "no answer"
+    found = permissions.problems(tracer, [permissions.target_info(child.pid, need_ancestry=False)])
+    fix = found[0].fix if found else permissions.explain_failure(kind or "failed", tracer)
+    return Row("py-spy", FAIL, f"{vtext} at {exe} cannot attach: {err}", fix)
+
+
+# --------------------------------------------------------------------------- limits
+
+
+def shm_row(path: str = "/dev/shm") -> Row:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return Row("/dev/shm", FAIL, "missing", "mount a tmpfs at /dev/shm (docker: --ipc=host)")
+    size = st.f_blocks * st.f_frsize
+    detail = f"{_human(size)} ({_human(st.f_bavail * st.f_frsize)} free)"
+    fix = "docker run --ipc=host (or --shm-size=16g); Kubernetes: mount an emptyDir with medium: Memory at /dev/shm"
+    if size < SHM_FAIL_BYTES:
+        return Row("/dev/shm", FAIL, detail + ": NCCL and DataLoader workers will fail", fix)
+    if size < SHM_WARN_BYTES:
+        return Row("/dev/shm", WARN, detail + ": small for NCCL and DataLoader workers", fix)
+    return Row("/dev/shm", PASS, detail)
+
+
+def nofile_row() -> Row:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    detail = f"soft {_lim(soft)}, hard {_lim(hard)}"
+    if soft != resource.RLIM_INFINITY and soft < 1024:
+        return Row("open files", FAIL, detail, f"ulimit -n {min(_cap(hard), NOFILE_WANT)}")
+    if soft != resource.RLIM_INFINITY and soft < NOFILE_WANT:
+        if hard == resource.RLIM_INFINITY or hard >= NOFILE_WANT:
+            fix = f"ulimit -n {NOFILE_WANT}"
+        else:
+            fix = f"ulimit -n {hard}; raise the hard limit in /etc/security/limits.conf (nofile {NOFILE_WANT})"
+        return Row("open files", WARN, detail + ": many ranks, servers and loaders open many files", fix)
+    return Row("open files", PASS, detail)
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def registry_rows(root: Path) -> list[Row]:
+    rows = [registry_access_row(root)]
+    if rows[0].status != FAIL:
+        rows.append(servers_health_row(root))
+    return rows
+
+
+def registry_access_row(root: Path) -> Row:
+    """The registry root can be created, read and written (atomic rename included)."""
+    fix = f"chmod u+rwx {root}, or point AREAL_REGISTRY / --registry at a writable directory"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".areal-check-{uuid.uuid4().hex[:8]}"
+        tmp = probe.with_suffix(".tmp")
+        tmp.write_text("ok")
+        os.replace(tmp, probe)
+        ok = probe.read_text() == "ok"
+        probe.unlink()
+        list(root.iterdir())
+    except OSError as e:
+        return Row("registry", FAIL, f"{root}: {e.strerror or e}", fix)
+    if not ok:
+        return Row("registry", FAIL, f"{root}: read back something else than written", fix)
+    return Row("registry", PASS, f"{root} readable and writable")
+
+
+def list_registered_servers(root: Path) -> list:
+    """Every live registered server of this user (the registry module decides what is live)."""
+    from areal_cli.registry import FileRegistry
+
+    return FileRegistry(root).list().servers
+
+
+def servers_health_row(root: Path, timeout: float = 2.0) -> Row:
+    try:
+        servers = list_registered_servers(root)
+    except Exception as e:
+        return Row("servers", WARN, f"cannot list the registry: {e}", None)
+    if not servers:
+        return Row("servers", PASS, "none registered")
+    bad = []
+    for s in servers:
+        ok, why = _health(s.addr, timeout)
+        if not ok:
+            bad.append(f"{s.experiment}/{s.trial} {s.addr} ({why})")
+    detail = f"{len(servers)} registered, {len(servers) - len(bad)} healthy"
+    if bad:
+        return Row(
+            "servers",
+            WARN,
+            detail + "; unhealthy: " + "; ".join(bad[:5]),
+            "a server still loading answers later; otherwise `areal ps` and `areal stop E/T`",
+        )
+    return Row("servers", PASS, detail)
+
+
+def _health(addr: str, timeout: float) -> tuple[bool, str]:
+    import urllib.error
+    import urllib.request
+
+    url = f"http://{addr}/health"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return (200 <= r.status < 300), f"HTTP {r.status}"
+    except urllib.error.HTTPError as e:
+        return False, f"HTTP {e.code}"
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        return False, str(reason)
+
+
+# --------------------------------------------------------------------------- leftovers
+
+
+def leftovers_row(home: Path) -> Row:
+    """Processes of earlier jobs still alive: marked with a job whose supervisor is gone, or
+    torchrun workers whose launcher died; and which GPUs and ports they hold."""
+    from areal_cli import jobs
+
+    records, _ = jobs.list_all(home)
+    live_markers = {r.marker for r in records if r.alive()}
+    me = os.getpid()
+    uid = os.getuid()
+    orphans: list[tuple[psutil.Process, str]] = []
+    for p in psutil.process_iter(["pid", "uids", "ppid"]):
+        try:
+            if p.pid == me or (p.info["uids"] and p.info["uids"].real != uid):
+                continue
+            env = p.environ()
+        except (psutil.Error, OSError):
+            continue
+        marker = env.get(procs.MARKER_ENV)
+        if marker and marker not in live_markers and not marker.startswith("allreduce-"):
+            orphans.append((p, f"job marker {marker}"))
+        elif "TORCHELASTIC_RUN_ID" in env and p.info["ppid"] == 1:
+            orphans.append((p, "torchrun worker whose launcher is gone"))
+    gpu_pids = _gpu_pids()
+    holders = []
+    for p, why in orphans:
+        held = []
+        if p.pid in gpu_pids:
+            held.append(f"GPU memory {gpu_pids[p.pid]} MiB")
+        ports = _listening_ports(p)
+        if ports:
+            held.append("ports " + ",".join(map(str, ports)))
+        holders.append((p, why, held))
+    if not holders:
+        return Row("leftovers", PASS, "no processes left from earlier jobs")
+    parts = []
+    for p, why, held in holders[:6]:
+        try:
+            name = " ".join(p.cmdline())[:50]
+        except psutil.Error:
+            name = "?"
+        parts.append(f"pid {p.pid} ({name}; {why}" + (f"; holds {', '.join(held)}" if held else "") + ")")
+    pids = " ".join(str(p.pid) for p, _, _ in holders)
+    status = FAIL if any(held for _, _, held in holders) else WARN
+    return Row(
+        "leftovers",
+        status,
+        f"{len(holders)} process(es) from earlier jobs: " + "; ".join(parts),
+        f"kill {pids}  (or `areal stop E/T` for a job `areal ps` still lists)",
+    )
+
+
+def _gpu_pids() -> dict[int, int]:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return {}
+    try:
+        res = subprocess.run(
+            [exe, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    out = {}
+    for line in res.stdout.splitlines():
+        cols = [c.strip() for c in line.split(",")]
+        if len(cols) >= 2 and cols[0].isdigit():
+            try:
+                out[int(cols[0])] = int(float(cols[1]))
+            except ValueError:
+                out[int(cols[0])] = 0
+    return out
+
+
+def _listening_ports(p: psutil.Process) -> list[int]:
+    try:
+        conns = p.net_connections(kind="inet")
+    except (psutil.Error, AttributeError):
+        try:
+            conns = p.connections(kind="inet")
+        except psutil.Error:
+            return []
+    return sorted({c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN and c.laddr})
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _lim(v: int) -> str:
+    return "unlimited" if v == resource.RLIM_INFINITY else str(v)
+
+
+def _cap(v: int) -> int:
+    return NOFILE_WANT if v == resource.RLIM_INFINITY else v
+
+
+def _unused() -> None:  # keep imports honest for linters
+    tempfile.gettempdir()
