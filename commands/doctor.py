@@ -1,16 +1,526 @@
-"""`areal doctor` (being built)."""
+"""`areal doctor`: diagnose distributed training (hangs, env presets, all_reduce, host, mesh).
+
+Thin: parse flags, call areal_cli.diagnose, render. Heavy imports stay inside the commands.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
+from areal_cli.console import err, out, print_json
+
 app = typer.Typer(
-    help="Diagnose distributed training: hangs, env presets, all_reduce, environment, mesh.",
+    help=(
+        "Diagnose distributed training: hangs, debug env presets, all_reduce, host health, mesh.\n\n"
+        "  areal doctor hang --job myexp/trial0        every rank's stack, grouped, odd rank named\n\n"
+        "  areal doctor env --preset nccl -- areal train ...\n\n"
+        "  areal doctor allreduce --nproc 8            all_reduce busbw table, hang-checked\n\n"
+        "  areal doctor check                          is this host ready?\n\n"
+        "  areal doctor mesh --alloc fsdp:d2t2         which rank sits where"
+    ),
     no_args_is_help=True,
+    rich_markup_mode="rich",
 )
+
+STATE_STYLE = {
+    "collective": "cyan",
+    "busy": "magenta",
+    "idle": "blue",
+    "missing": "red",
+    "error": "red",
+}
+
+
+# =========================================================================== hang
+
+
+@app.command("hang")
+def hang_cmd(
+    pid: list[int] = typer.Option(
+        None, "--pid", "-p", help="A rank, or a launcher (torchrun, areal) whose workers to dump. Repeatable."
+    ),
+    job: str = typer.Option(None, "--job", "-j", help="A job record EXPERIMENT/TRIAL (see `areal ps`)."),
+    samples: int = typer.Option(1, "--samples", "-n", min=1, max=100, help="Dump rounds; >1 tells stuck from slow."),
+    interval: float = typer.Option(0.5, "--interval", min=0.0, help="Seconds between rounds."),
+    native: bool = typer.Option(False, "--native", help="Include C/C++ frames (slower)."),
+    show_locals: bool = typer.Option(False, "--locals", help="Include local variables of each frame."),
+    timeout: float = typer.Option(10.0, "--timeout", min=0.5, help="Seconds py-spy may take per process."),
+    json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    out_dir: Path = typer.Option(None, "--out", help="Write raw per-rank dumps and summary.json here."),
+    home: str = typer.Option(None, "--home", help="AREAL_HOME holding job records (for --job)."),
+) -> None:
+    """Dump every rank's Python stack at once, group identical stacks, name the odd rank.
+
+    Without --pid or --job: every torchrun/areal job of this user on this host.
+
+    \b
+    Verdicts: mismatched_collective, collective_type_mismatch, missing_rank,
+    blocked_outside_collective, straggler, collective_stuck, no_hang.
+    Exit code: 0 verdict reached · 1 a dump failed · 2 bad target.
+
+    \b
+    Examples:
+      areal doctor hang --job myexp/trial0
+      areal doctor hang --pid $(pgrep -f torch.distributed.run)
+      areal doctor hang --samples 5 --interval 1 --json
+      areal doctor hang --job myexp/trial0 --native --out ./hang-report
+    """
+    from areal_cli.diagnose import hang, targets
+    from areal_cli.errors import UsageError
+
+    if pid and job:
+        raise UsageError("give --pid or --job, not both")
+    jobs = targets.resolve(pids=list(pid or []), job=job, home=home)
+    nranks = sum(len(j.ranks) for j in jobs)
+    status = None
+    if err.is_terminal and not json_out:
+        status = err.status(f"dumping {nranks} rank(s)...")
+        status.start()
+
+    def progress(sample: int, done: int, total: int) -> None:
+        if status is not None:
+            label = f" (sample {sample + 1}/{samples})" if samples > 1 else ""
+            status.update(f"dumping {done}/{total} rank(s){label}...")
+
+    try:
+        reports = hang.diagnose(
+            jobs,
+            samples=samples,
+            interval=interval,
+            native=native,
+            show_locals=show_locals,
+            timeout=timeout,
+            on_progress=progress,
+        )
+    finally:
+        if status is not None:
+            status.stop()
+    written = hang.write_bundle(reports, out_dir) if out_dir else []
+    if json_out:
+        data = hang.to_json(reports)
+        if out_dir:
+            data["out"] = str(out_dir)
+        print_json(data)
+    else:
+        for i, rep in enumerate(reports):
+            if i:
+                out.print()
+            render_hang(rep, show_locals=show_locals)
+        if written:
+            out.print(f"[dim]raw dumps and summary.json written to {out_dir}[/]")
+    if any(rep.failed for rep in reports):
+        for rep in reports:
+            for e in rep.errors:
+                err.print(f"[red]rank {e['rank']} (pid {e['pid']}): {e['error']}[/]")
+                if e.get("fix"):
+                    err.print(f"[yellow]fix:[/] {e['fix']}")
+        raise typer.Exit(1)
+
+
+def render_hang(rep, show_locals: bool = False) -> None:
+    from rich.markup import escape
+    from rich.tree import Tree
+
+    a = rep.analysis
+    v = a.verdict
+    job = rep.job
+    head = f"[bold]{escape(job.label)}[/] · world size {job.world_size}"
+    if job.multi_host:
+        head += f" · this host: ranks {_ranks_text(job.expected_local_ranks())}"
+    head += f" · {rep.samples} sample{'s' if rep.samples > 1 else ''}"
+    out.print(head)
+    odd = set(v.odd_ranks) if v else set()
+    if v is not None:
+        color = "green" if v.kind == "no_hang" else "bold red"
+        out.print(f"verdict: [{color}]{v.kind}[/]")
+        out.print(f"  {escape(v.summary)}")
+        if v.odd_ranks:
+            out.print(f"  odd ranks: [bold red]{_ranks_text(v.odd_ranks)}[/]")
+        if v.hint:
+            out.print(f"  [yellow]hint:[/] {escape(v.hint)}")
+    tree = Tree(f"[bold]{escape(job.label)}[/]", guide_style="dim")
+    by_rank = {r.rank: r for r in a.ranks}
+    for g in a.groups:
+        members = [by_rank[r] for r in g.ranks]
+        is_odd = any(r in odd for r in g.ranks)
+        style = STATE_STYLE.get(g.state, "white")
+        what = {"collective": f"waits in {g.collective}", "busy": "computing", "idle": "idle"}.get(
+            g.state, g.state
+        )
+        pids = ", ".join(str(m.pid) for m in members)
+        where = f" at {escape(g.frame.where())} in {escape(g.frame.function)}" if g.frame else ""
+        label = (
+            f"{'[bold red]✗[/] ' if is_odd else '● '}[bold]{_rank_word(g.ranks)}[/] "
+            f"[dim](pid {pids})[/] — [{style}]{what}[/]{where}"
+        )
+        progress = {m.progress for m in members if m.progress}
+        if progress:
+            label += f" [dim]\\[{', '.join(sorted(progress))}][/]"
+        node = tree.add(label)
+        for f in reversed(g.stack):  # outermost first, like a traceback
+            user = g.frame is not None and f == g.frame
+            text = f"{escape(f.function)}  [dim]{escape(f.where())}[/]"
+            if user:
+                text = f"[bold yellow]{escape(f.function)}  {escape(f.where())}  ◀ your code[/]"
+                if f.code:
+                    text += f"\n[yellow]    {escape(f.code)}[/]"
+            elif f.native:
+                text = f"[dim]{escape(f.function)}  {escape(f.where())}[/]"
+            fnode = node.add(text)
+            if show_locals and f.locals:
+                for name, value in f.locals[:12]:
+                    fnode.add(f"[dim]{escape(name)} = {escape(value[:80])}[/]")
+    for r in a.ranks:
+        if r.state in ("missing", "error"):
+            reason = escape(r.error or r.state)
+            pid = f" [dim](pid {r.pid})[/]" if r.pid else ""
+            tree.add(f"[bold red]✗ rank {r.rank}[/]{pid} — [red]{r.state}[/]: {reason}")
+    out.print(tree)
+
+
+def _rank_word(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + _ranks_text(ranks)
+
+
+def _ranks_text(ranks) -> str:
+    from areal_cli.diagnose.verdict import _compress
+
+    return _compress(sorted(ranks))
+
+
+# =========================================================================== env
+
+
+@app.command(
+    "env",
+    context_settings={"allow_interspersed_args": False},
+)
+def env_cmd(
+    cmd: list[str] = typer.Argument(None, help="Command to run under the preset (after --).", show_default=False),
+    preset: str = typer.Option(None, "--preset", "-P", help="hang | nccl | nccl-bisect | crash | compile | perf"),
+    shell: str = typer.Option("bash", "--shell", help="Output format: bash | fish | json | dotenv."),
+    list_: bool = typer.Option(False, "--list", "-l", help="List the presets."),
+    explain: bool = typer.Option(False, "--explain", help="Show each variable with its meaning."),
+) -> None:
+    """Debug environment presets: print them for your shell, or run a command under one.
+
+    Warnings about combinations that do nothing or harm (dump-on-timeout without a buffer,
+    transport switches left on, CUDA_LAUNCH_BLOCKING in a perf run) go to stderr, including
+    ones caused by variables already in your environment.
+
+    \b
+    Examples:
+      eval "$(areal doctor env --preset hang)"
+      areal doctor env --preset nccl --shell fish | source
+      areal doctor env --preset nccl -- areal train --alloc fsdp:d2 train.py
+      areal doctor env --preset nccl-bisect --explain
+      areal doctor env --list
+    """
+    from areal_cli.diagnose import presets
+    from areal_cli.errors import UsageError
+
+    if shell not in presets.SHELLS:
+        raise UsageError(f"unknown --shell {shell!r}", hint="choose one of: " + ", ".join(presets.SHELLS))
+    if list_:
+        _list_presets(presets, shell)
+        return
+    if not preset:
+        raise UsageError(
+            "--preset is required",
+            hint="valid presets: " + ", ".join(presets.preset_names()) + " (see --list)",
+        )
+    p = presets.get_preset(preset)
+    warnings = presets.check(preset)
+    for w in warnings:
+        origin = " (from your environment)" if w.source == "environment" else ""
+        err.print(f"[yellow]warning:[/] {w.message}{origin}")
+        err.print(f"  [dim]fix: {w.fix}[/]")
+    if cmd:
+        code = presets.run_with_preset(preset, list(cmd))
+        raise typer.Exit(code)
+    if explain:
+        _explain(p, shell)
+        return
+    # Raw text: this is meant for eval, no rich markup or wrapping.
+    typer.echo(presets.render(preset, shell), nl=False)
+
+
+def _list_presets(presets, shell: str) -> None:
+    from rich.table import Table
+
+    items = [presets.get_preset(n) for n in presets.preset_names()]
+    if shell == "json":
+        print_json(
+            [{"name": p.name, "description": p.description, "vars": p.env()} for p in items]
+        )
+        return
+    table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+    table.add_column("preset", style="bold cyan", no_wrap=True)
+    table.add_column("what it is for")
+    table.add_column("variables", style="dim")
+    for p in items:
+        table.add_row(p.name, p.description, " ".join(v.name for v in p.vars))
+    out.print(table)
+
+
+def _explain(p, shell: str) -> None:
+    from rich.table import Table
+
+    if shell == "json":
+        print_json(
+            {
+                "name": p.name,
+                "description": p.description,
+                "vars": [{"name": v.name, "value": v.value, "meaning": v.meaning} for v in p.vars],
+            }
+        )
+        return
+    out.print(f"[bold]{p.name}[/]: {p.description}")
+    table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+    table.add_column("variable", style="cyan", no_wrap=True)
+    table.add_column("value", style="bold", no_wrap=True)
+    table.add_column("meaning")
+    for v in p.vars:
+        table.add_row(v.name, v.value, v.meaning)
+    out.print(table)
+
+
+# =========================================================================== allreduce
+
+
+@app.command("allreduce")
+def allreduce_cmd(
+    nproc: int = typer.Option(None, "--nproc", min=1, help="Ranks (default: GPUs here, or 2 on CPU)."),
+    backend: str = typer.Option(None, "--backend", help="nccl | gloo (default: nccl with GPUs, else gloo)."),
+    sizes: str = typer.Option(None, "--sizes", help="MIN:MAX bytes, doubling (default 1K:256M nccl, 1K:16M gloo)."),
+    iters: int = typer.Option(20, "--iters", min=1, help="Timed all_reduce calls per size."),
+    warmup: int = typer.Option(5, "--warmup", min=0, help="Untimed calls per size first."),
+    timeout: float = typer.Option(120.0, "--timeout", min=1.0, help="Seconds before the run counts as hung."),
+    json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+    print_script: bool = typer.Option(False, "--print-script", help="Print the standalone repro script and exit."),
+) -> None:
+    """Minimal all_reduce repro under torchrun: time, algbw, busbw and a correctness check per size.
+
+    busbw = algbw · 2(n−1)/n, as nccl-tests reports it. When the run exceeds --timeout, the
+    hang doctor dumps the repro's ranks, prints its verdict, and the repro is torn down.
+
+    \b
+    Examples:
+      areal doctor allreduce --nproc 8
+      areal doctor allreduce --backend gloo --nproc 2 --sizes 1K:16M
+      areal doctor env --preset nccl -- areal doctor allreduce --nproc 8
+      areal doctor allreduce --print-script > allreduce_repro.py   # for a bug report
+    """
+    import os
+
+    from areal_cli.diagnose import allreduce
+
+    if print_script:
+        typer.echo(allreduce.script_text(), nl=False)
+        return
+    backend = backend or allreduce.default_backend()
+    nproc = nproc or allreduce.default_nproc(backend)
+    sizes = sizes or allreduce.DEFAULT_SIZES.get(backend, "1K:16M")
+    force_hang = os.environ.get(allreduce.FORCE_HANG_ENV) == "1"
+
+    table = None
+    live = None
+    if not json_out:
+        out.print(
+            f"[bold]all_reduce[/] · backend {backend} · {nproc} ranks · sizes {sizes} · "
+            f"iters {iters} · warmup {warmup} · timeout {timeout:g}s"
+        )
+        table = _allreduce_table()
+        if out.is_terminal:
+            from rich.live import Live
+
+            live = Live(table, console=out, refresh_per_second=8)
+            live.start()
+
+    def on_row(row) -> None:
+        if table is not None:
+            _add_row(table, row)
+
+    def on_hang() -> None:
+        if live is not None:
+            live.stop()
+        err.print(f"[red]no progress within {timeout:g}s: dumping the repro's ranks[/]")
+
+    try:
+        result = allreduce.run(
+            nproc=nproc,
+            backend=backend,
+            sizes=sizes,
+            iters=iters,
+            warmup=warmup,
+            timeout=timeout,
+            force_hang=force_hang,
+            on_row=on_row,
+            on_hang=on_hang,
+        )
+    finally:
+        if live is not None and live.is_started:
+            live.stop()
+    if json_out:
+        print_json(result.to_json())
+    else:
+        if live is None and table is not None:
+            out.print(table)
+        if result.rows:
+            out.print(f"[bold]avg busbw[/] {result.avg_busbw:.3f} GB/s · #wrong {result.wrong}")
+        if result.timed_out:
+            if result.hang_reports:
+                from areal_cli.diagnose import hang
+
+                render_hang(hang.primary(result.hang_reports))
+            elif result.hang_error:
+                err.print(f"[red]hang diagnosis failed:[/] {result.hang_error}")
+    if result.timed_out:
+        err.print(
+            f"[bold red]error:[/] the all_reduce repro did not finish within {timeout:g}s; "
+            "it was torn down"
+        )
+        raise typer.Exit(3)
+    if result.wrong:
+        err.print(f"[bold red]error:[/] {result.wrong} wrong element(s): the all_reduce result is corrupt")
+        raise typer.Exit(1)
+
+
+def _allreduce_table():
+    from rich.table import Table
+
+    t = Table(box=None, header_style="bold", pad_edge=False)
+    for name, just in (
+        ("size (B)", "right"),
+        ("count (elements)", "right"),
+        ("type", "right"),
+        ("redop", "right"),
+        ("time (us)", "right"),
+        ("algbw (GB/s)", "right"),
+        ("busbw (GB/s)", "right"),
+        ("#wrong", "right"),
+    ):
+        t.add_column(name, justify=just)
+    return t
+
+
+def _add_row(t, row) -> None:
+    wrong = f"[bold red]{row.wrong}[/]" if row.wrong else "0"
+    t.add_row(
+        str(row.size),
+        str(row.count),
+        row.type,
+        row.redop,
+        f"{row.time_us:.1f}",
+        f"{row.algbw_gbps:.3f}",
+        f"{row.busbw_gbps:.3f}",
+        wrong,
+    )
+
+
+# =========================================================================== check
 
 
 @app.command("check")
-def check() -> None:
-    """Not built yet."""
-    raise typer.Exit(2)
+def check_cmd(
+    json_out: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
+    home: str = typer.Option(None, "--home", help="AREAL_HOME holding job records."),
+    registry: str = typer.Option(None, "--registry", help="Registry root (default AREAL_REGISTRY)."),
+) -> None:
+    """Is this host ready? Python, torch, CUDA, NCCL, GPUs, backends, py-spy attach, /dev/shm,
+    open files, registry, registered servers, leftovers of earlier jobs.
+
+    Each row passes, warns or fails with the fix to apply; exit code 1 when any row fails.
+
+    \b
+    Examples:
+      areal doctor check
+      areal doctor check --json | jq '.rows[] | select(.status != "pass")'
+    """
+    from areal_cli.diagnose import check
+
+    if err.is_terminal and not json_out:
+        with err.status("checking this host..."):
+            rows = check.run_checks(home=home, registry=registry)
+    else:
+        rows = check.run_checks(home=home, registry=registry)
+    failed = [r for r in rows if r.status == check.FAIL]
+    if json_out:
+        print_json(
+            {
+                "rows": [r.to_json() for r in rows],
+                "ok": not failed,
+                "counts": {s: sum(r.status == s for r in rows) for s in (check.PASS, check.WARN, check.FAIL)},
+            }
+        )
+    else:
+        from rich.markup import escape
+        from rich.table import Table
+
+        t = Table(box=None, header_style="bold", pad_edge=False)
+        t.add_column("", no_wrap=True)
+        t.add_column("check", style="bold", no_wrap=True)
+        t.add_column("result")
+        t.add_column("fix", style="yellow")
+        mark = {check.PASS: "[green]✓ pass[/]", check.WARN: "[yellow]! warn[/]", check.FAIL: "[red]✗ fail[/]"}
+        for r in rows:
+            t.add_row(mark[r.status], r.name, escape(r.detail), escape(r.fix or ""))
+        out.print(t)
+    if failed:
+        raise typer.Exit(1)
+
+
+# =========================================================================== mesh
+
+
+@app.command("mesh")
+def mesh_cmd(
+    alloc: str = typer.Option(..., "--alloc", "-a", help="Allocation, e.g. fsdp:d2t2 or sglang:d2+fsdp:d2c2t2."),
+    name: str = typer.Option(None, "--name", help="Component to draw (default: the training one)."),
+    json_out: bool = typer.Option(False, "--json", help="Print coordinates and groups as JSON."),
+) -> None:
+    """Every rank's coordinate per mesh dimension and the ranks of each process group.
+
+    Order, outermost to innermost: pp, dp, cp, tp (tp innermost, as torchtitan builds its
+    DeviceMesh): rank = ((pp·D + dp)·C + cp)·T + tp. Tensor-parallel groups are consecutive
+    ranks, so they stay on one node. FSDP shards over dp×cp (shown as dp_cp when c > 1).
+
+    \b
+    Examples:
+      areal doctor mesh --alloc fsdp:d2t2
+      areal doctor mesh --alloc sglang:d4+fsdp:d2c2t2 --json
+    """
+    from areal_cli.diagnose import mesh
+
+    m = mesh.from_alloc(alloc, name)
+    if json_out:
+        print_json(m.to_json())
+        return
+    from rich.table import Table
+
+    dims = [d for d, _ in m.dims]
+    out.print(
+        f"[bold]{m.component}[/] · world size {m.world_size} · "
+        + " × ".join(f"{d}={s}" for d, s in m.dims)
+        + " · order outermost→innermost: "
+        + ", ".join(dims)
+    )
+    t = Table(box=None, header_style="bold", pad_edge=False)
+    t.add_column("rank", justify="right", style="bold")
+    for d in dims:
+        t.add_column(d, justify="right")
+    for g in m.groups:
+        t.add_column(f"{g} group")
+    for r in m.ranks:
+        t.add_row(
+            str(r["rank"]),
+            *(str(r["coords"][d]) for d in dims),
+            *(" ".join(map(str, r["groups"][g])) for g in m.groups),
+        )
+    out.print(t)
+    for g, members in m.groups.items():
+        out.print(f"[cyan]{g}[/] groups: " + "  ".join("[" + " ".join(map(str, b)) + "]" for b in members))
+    for n in m.notes:
+        out.print(f"[dim]note: {n}[/]")
