@@ -50,7 +50,9 @@ def start_ranks(n: int, workdir: Path, marker: str) -> list[subprocess.Popen]:
             "BENCH_READY": str(workdir / f"ready-{r}"),
             procs.MARKER_ENV: marker,
         }
-        ps.append(procs.spawn([sys.executable, "-c", RANK_SOURCE], env=env, stdout=subprocess.DEVNULL))
+        ps.append(
+            procs.spawn([sys.executable, "-c", RANK_SOURCE], env=env, stdout=subprocess.DEVNULL)
+        )
     ok = procs.wait_until(lambda: all((workdir / f"ready-{r}").exists() for r in range(n)), 60)
     if not ok:
         raise RuntimeError("rank processes did not start")
@@ -72,7 +74,9 @@ def measure(n: int, areal: str, pyspy: str) -> tuple[float, float]:
         ranks = start_ranks(n, Path(tmp), marker)
         try:
             pids = [p.pid for p in ranks]
-            doctor = [areal, "doctor", "hang", "--json"] + [a for p in pids for a in ("--pid", str(p))]
+            doctor = [areal, "doctor", "hang", "--json"] + [
+                a for p in pids for a in ("--pid", str(p))
+            ]
             loop = (
                 f"for p in {' '.join(map(str, pids))}; do "
                 f"{shlex.quote(pyspy)} dump --pid $p > /dev/null || exit 1; done"
@@ -94,7 +98,10 @@ def main() -> int:
     for n in (4, 16, 32):
         d, loop = measure(n, areal, pyspy)
         ratios[n] = d / loop
-        print(f"  ranks={n}: doctor {d * 1000:.0f} ms, py-spy loop {loop * 1000:.0f} ms", file=sys.stderr)
+        print(
+            f"  ranks={n}: doctor {d * 1000:.0f} ms, py-spy loop {loop * 1000:.0f} ms",
+            file=sys.stderr,
+        )
         print(f"doctor_hang_vs_pyspy_loop[{n}]: {ratios[n]:.2f}")
     falling = ratios[4] > ratios[16] > ratios[32]
     print(f"doctor_hang_ratio_falls_with_ranks: {'yes' if falling else 'no'}")

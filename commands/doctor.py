@@ -39,16 +39,29 @@ STATE_STYLE = {
 @app.command("hang")
 def hang_cmd(
     pid: list[int] = typer.Option(
-        None, "--pid", "-p", help="A rank, or a launcher (torchrun, areal) whose workers to dump. Repeatable."
+        None,
+        "--pid",
+        "-p",
+        help="A rank, or a launcher (torchrun, areal) whose workers to dump. Repeatable.",
     ),
-    job: str = typer.Option(None, "--job", "-j", help="A job record EXPERIMENT/TRIAL (see `areal ps`)."),
-    samples: int = typer.Option(1, "--samples", "-n", min=1, max=100, help="Dump rounds; >1 tells stuck from slow."),
+    job: str = typer.Option(
+        None, "--job", "-j", help="A job record EXPERIMENT/TRIAL (see `areal ps`)."
+    ),
+    samples: int = typer.Option(
+        1, "--samples", "-n", min=1, max=100, help="Dump rounds; >1 tells stuck from slow."
+    ),
     interval: float = typer.Option(0.5, "--interval", min=0.0, help="Seconds between rounds."),
     native: bool = typer.Option(False, "--native", help="Include C/C++ frames (slower)."),
-    show_locals: bool = typer.Option(False, "--locals", help="Include local variables of each frame."),
-    timeout: float = typer.Option(10.0, "--timeout", min=0.5, help="Seconds py-spy may take per process."),
+    show_locals: bool = typer.Option(
+        False, "--locals", help="Include local variables of each frame."
+    ),
+    timeout: float = typer.Option(
+        10.0, "--timeout", min=0.5, help="Seconds py-spy may take per process."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
-    out_dir: Path = typer.Option(None, "--out", help="Write raw per-rank dumps and summary.json here."),
+    out_dir: Path = typer.Option(
+        None, "--out", help="Write raw per-rank dumps and summary.json here."
+    ),
     home: str = typer.Option(None, "--home", help="AREAL_HOME holding job records (for --job)."),
 ) -> None:
     """Dump every rank's Python stack at once, group identical stacks, name the odd rank.
@@ -162,12 +175,14 @@ def render_hang(rep, show_locals: bool = False) -> None:
         for f in reversed(g.stack):  # outermost first, like a traceback
             user = g.frame is not None and f == g.frame
             text = f"{escape(f.function)}  [dim]{escape(f.where())}[/]"
+            if f.native:
+                text = f"{escape(_short_native(f.function))}  [dim]{escape(f.where())}[/]"
             if user:
                 text = f"[bold yellow]{escape(f.function)}  {escape(f.where())}  ◀ your code[/]"
                 if f.code:
                     text += f"\n[yellow]    {escape(f.code)}[/]"
             elif f.native:
-                text = f"[dim]{escape(f.function)}  {escape(f.where())}[/]"
+                text = f"[dim]{escape(_short_native(f.function))}  {escape(f.where())}[/]"
             fnode = node.add(text)
             if show_locals and f.locals:
                 for name, value in f.locals[:12]:
@@ -177,7 +192,26 @@ def render_hang(rep, show_locals: bool = False) -> None:
             reason = escape(r.error or r.state)
             pid = f" [dim](pid {r.pid})[/]" if r.pid else ""
             tree.add(f"[bold red]✗ rank {r.rank}[/]{pid} — [red]{r.state}[/]: {reason}")
-    out.print(tree)
+    # Wrap long frames instead of cutting them: the file:line at the end is the point.
+    out.print(tree, soft_wrap=False)
+
+
+def _short_native(name: str, limit: int = 100) -> str:
+    """C++ symbols without template arguments and parameter lists: `a::b<...>::c(...)` -> `a::b<>::c()`."""
+    out, depth = [], 0
+    for ch in name:
+        if ch in "<(":
+            if depth == 0:
+                out.append(ch)
+            depth += 1
+        elif ch in ">)" and depth:
+            depth -= 1
+            if depth == 0:
+                out.append(ch)
+        elif depth == 0:
+            out.append(ch)
+    text = "".join(out)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _rank_word(ranks: list[int]) -> str:
@@ -198,9 +232,15 @@ def _ranks_text(ranks) -> str:
     context_settings={"allow_interspersed_args": False},
 )
 def env_cmd(
-    cmd: list[str] = typer.Argument(None, help="Command to run under the preset (after --).", show_default=False),
-    preset: str = typer.Option(None, "--preset", "-P", help="hang | nccl | nccl-bisect | crash | compile | perf"),
-    shell: str = typer.Option("bash", "--shell", help="Output format: bash | fish | json | dotenv."),
+    cmd: list[str] = typer.Argument(
+        None, help="Command to run under the preset (after --).", show_default=False
+    ),
+    preset: str = typer.Option(
+        None, "--preset", "-P", help="hang | nccl | nccl-bisect | crash | compile | perf"
+    ),
+    shell: str = typer.Option(
+        "bash", "--shell", help="Output format: bash | fish | json | dotenv."
+    ),
     list_: bool = typer.Option(False, "--list", "-l", help="List the presets."),
     explain: bool = typer.Option(False, "--explain", help="Show each variable with its meaning."),
 ) -> None:
@@ -222,7 +262,9 @@ def env_cmd(
     from areal_cli.errors import UsageError
 
     if shell not in presets.SHELLS:
-        raise UsageError(f"unknown --shell {shell!r}", hint="choose one of: " + ", ".join(presets.SHELLS))
+        raise UsageError(
+            f"unknown --shell {shell!r}", hint="choose one of: " + ", ".join(presets.SHELLS)
+        )
     if list_:
         _list_presets(presets, shell)
         return
@@ -252,9 +294,7 @@ def _list_presets(presets, shell: str) -> None:
 
     items = [presets.get_preset(n) for n in presets.preset_names()]
     if shell == "json":
-        print_json(
-            [{"name": p.name, "description": p.description, "vars": p.env()} for p in items]
-        )
+        print_json([{"name": p.name, "description": p.description, "vars": p.env()} for p in items])
         return
     table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
     table.add_column("preset", style="bold cyan", no_wrap=True)
@@ -292,14 +332,24 @@ def _explain(p, shell: str) -> None:
 
 @app.command("allreduce")
 def allreduce_cmd(
-    nproc: int = typer.Option(None, "--nproc", min=1, help="Ranks (default: GPUs here, or 2 on CPU)."),
-    backend: str = typer.Option(None, "--backend", help="nccl | gloo (default: nccl with GPUs, else gloo)."),
-    sizes: str = typer.Option(None, "--sizes", help="MIN:MAX bytes, doubling (default 1K:256M nccl, 1K:16M gloo)."),
+    nproc: int = typer.Option(
+        None, "--nproc", min=1, help="Ranks (default: GPUs here, or 2 on CPU)."
+    ),
+    backend: str = typer.Option(
+        None, "--backend", help="nccl | gloo (default: nccl with GPUs, else gloo)."
+    ),
+    sizes: str = typer.Option(
+        None, "--sizes", help="MIN:MAX bytes, doubling (default 1K:256M nccl, 1K:16M gloo)."
+    ),
     iters: int = typer.Option(20, "--iters", min=1, help="Timed all_reduce calls per size."),
     warmup: int = typer.Option(5, "--warmup", min=0, help="Untimed calls per size first."),
-    timeout: float = typer.Option(120.0, "--timeout", min=1.0, help="Seconds before the run counts as hung."),
+    timeout: float = typer.Option(
+        120.0, "--timeout", min=1.0, help="Seconds before the run counts as hung."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
-    print_script: bool = typer.Option(False, "--print-script", help="Print the standalone repro script and exit."),
+    print_script: bool = typer.Option(
+        False, "--print-script", help="Print the standalone repro script and exit."
+    ),
 ) -> None:
     """Minimal all_reduce repro under torchrun: time, algbw, busbw and a correctness check per size.
 
@@ -384,7 +434,9 @@ def allreduce_cmd(
         )
         raise typer.Exit(3)
     if result.wrong:
-        err.print(f"[bold red]error:[/] {result.wrong} wrong element(s): the all_reduce result is corrupt")
+        err.print(
+            f"[bold red]error:[/] {result.wrong} wrong element(s): the all_reduce result is corrupt"
+        )
         raise typer.Exit(1)
 
 
@@ -392,17 +444,18 @@ def _allreduce_table():
     from rich.table import Table
 
     t = Table(box=None, header_style="bold", pad_edge=False)
+    # Two-line headers as nccl-tests prints them: the table fits 80 columns.
     for name, just in (
-        ("size (B)", "right"),
-        ("count (elements)", "right"),
+        ("size\n(B)", "right"),
+        ("count\n(elements)", "right"),
         ("type", "right"),
         ("redop", "right"),
-        ("time (us)", "right"),
-        ("algbw (GB/s)", "right"),
-        ("busbw (GB/s)", "right"),
+        ("time\n(us)", "right"),
+        ("algbw\n(GB/s)", "right"),
+        ("busbw\n(GB/s)", "right"),
         ("#wrong", "right"),
     ):
-        t.add_column(name, justify=just)
+        t.add_column(name, justify=just, no_wrap=True)
     return t
 
 
@@ -427,12 +480,14 @@ def _add_row(t, row) -> None:
 def check_cmd(
     json_out: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
     home: str = typer.Option(None, "--home", help="AREAL_HOME holding job records."),
-    registry: str = typer.Option(None, "--registry", help="Registry root (default AREAL_REGISTRY)."),
+    registry: str = typer.Option(
+        None, "--registry", help="Registry root (default AREAL_REGISTRY)."
+    ),
 ) -> None:
-    """Is this host ready? Python, torch, CUDA, NCCL, GPUs, backends, py-spy attach, /dev/shm,
-    open files, registry, registered servers, leftovers of earlier jobs.
+    """Is this host ready to run and debug jobs? One row per fact, with the fix.
 
-    Each row passes, warns or fails with the fix to apply; exit code 1 when any row fails.
+    Python, torch, CUDA, NCCL, GPUs, sglang/vllm/transformers, py-spy attach, /dev/shm, open
+    files, the registry, registered servers, processes left from earlier jobs. Each row passes, warns or fails with the fix to apply; exit code 1 when any row fails.
 
     \b
     Examples:
@@ -452,7 +507,10 @@ def check_cmd(
             {
                 "rows": [r.to_json() for r in rows],
                 "ok": not failed,
-                "counts": {s: sum(r.status == s for r in rows) for s in (check.PASS, check.WARN, check.FAIL)},
+                "counts": {
+                    s: sum(r.status == s for r in rows)
+                    for s in (check.PASS, check.WARN, check.FAIL)
+                },
             }
         )
     else:
@@ -462,9 +520,13 @@ def check_cmd(
         t = Table(box=None, header_style="bold", pad_edge=False)
         t.add_column("", no_wrap=True)
         t.add_column("check", style="bold", no_wrap=True)
-        t.add_column("result")
-        t.add_column("fix", style="yellow")
-        mark = {check.PASS: "[green]✓ pass[/]", check.WARN: "[yellow]! warn[/]", check.FAIL: "[red]✗ fail[/]"}
+        t.add_column("result", overflow="fold")
+        t.add_column("fix", style="yellow", overflow="fold")
+        mark = {
+            check.PASS: "[green]✓ pass[/]",
+            check.WARN: "[yellow]! warn[/]",
+            check.FAIL: "[red]✗ fail[/]",
+        }
         for r in rows:
             t.add_row(mark[r.status], r.name, escape(r.detail), escape(r.fix or ""))
         out.print(t)
@@ -477,7 +539,9 @@ def check_cmd(
 
 @app.command("mesh")
 def mesh_cmd(
-    alloc: str = typer.Option(..., "--alloc", "-a", help="Allocation, e.g. fsdp:d2t2 or sglang:d2+fsdp:d2c2t2."),
+    alloc: str = typer.Option(
+        ..., "--alloc", "-a", help="Allocation, e.g. fsdp:d2t2 or sglang:d2+fsdp:d2c2t2."
+    ),
     name: str = typer.Option(None, "--name", help="Component to draw (default: the training one)."),
     json_out: bool = typer.Option(False, "--json", help="Print coordinates and groups as JSON."),
 ) -> None:
@@ -521,6 +585,8 @@ def mesh_cmd(
         )
     out.print(t)
     for g, members in m.groups.items():
-        out.print(f"[cyan]{g}[/] groups: " + "  ".join("[" + " ".join(map(str, b)) + "]" for b in members))
+        out.print(
+            f"[cyan]{g}[/] groups: " + "  ".join("[" + " ".join(map(str, b)) + "]" for b in members)
+        )
     for n in m.notes:
         out.print(f"[dim]note: {n}[/]")

@@ -39,7 +39,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 def parse_size(text: str) -> int:
     text = text.strip().upper().removesuffix("IB").removesuffix("B") or "0"
     unit = text[-1] if text[-1] in UNITS else ""
-    number = text[: -1] if unit else text
+    number = text[:-1] if unit else text
     return int(float(number) * UNITS[unit])
 
 
@@ -65,7 +65,9 @@ def sync(device: torch.device) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo")
     ap.add_argument("--sizes", default="1K:256M", help="MIN:MAX in bytes, K/M/G suffixes")
     ap.add_argument("--iters", type=int, default=20)
@@ -88,17 +90,26 @@ def main() -> int:
     force_hang = os.environ.get("AREAL_ALLREDUCE_FORCE_HANG") == "1"
 
     if rank == 0:
-        print(f"# all_reduce repro: torch {torch.__version__}, backend {args.backend}, "
-              f"world size {world}, dtype {args.dtype}, iters {args.iters}, warmup {args.warmup}")
+        print(
+            f"# all_reduce repro: torch {torch.__version__}, backend {args.backend}, "
+            f"world size {world}, dtype {args.dtype}, iters {args.iters}, warmup {args.warmup}"
+        )
         if args.backend == "nccl":
-            print(f"# nccl {'.'.join(map(str, torch.cuda.nccl.version()))}, "
-                  f"{torch.cuda.get_device_name(device)}")
+            print(
+                f"# nccl {'.'.join(map(str, torch.cuda.nccl.version()))}, "
+                f"{torch.cuda.get_device_name(device)}"
+            )
         print(f"#  Rank 0 pid {os.getpid()} on {socket.gethostname()} device {device}")
         print("#")
-        print(f"# {'size':>12} {'count':>12} {'type':>9} {'redop':>6} {'time':>10} "
-              f"{'algbw':>8} {'busbw':>8} {'#wrong':>7}")
-        print(f"# {'(B)':>12} {'(elements)':>12} {'':>9} {'':>6} {'(us)':>10} "
-              f"{'(GB/s)':>8} {'(GB/s)':>8} {'':>7}", flush=True)
+        print(
+            f"# {'size':>12} {'count':>12} {'type':>9} {'redop':>6} {'time':>10} "
+            f"{'algbw':>8} {'busbw':>8} {'#wrong':>7}"
+        )
+        print(
+            f"# {'(B)':>12} {'(elements)':>12} {'':>9} {'':>6} {'(us)':>10} "
+            f"{'(GB/s)':>8} {'(GB/s)':>8} {'':>7}",
+            flush=True,
+        )
 
     busbws = []
     for i, size in enumerate(sizes_between(args.sizes)):
@@ -145,8 +156,11 @@ def main() -> int:
                 "world_size": world,
                 "backend": args.backend,
             }
-            print(f"  {nbytes:>12} {count:>12} {args.dtype:>9} {'sum':>6} {elapsed * 1e6:>10.1f} "
-                  f"{algbw:>8.3f} {busbw:>8.3f} {row['wrong']:>7}", flush=True)
+            print(
+                f"  {nbytes:>12} {count:>12} {args.dtype:>9} {'sum':>6} {elapsed * 1e6:>10.1f} "
+                f"{algbw:>8.3f} {busbw:>8.3f} {row['wrong']:>7}",
+                flush=True,
+            )
             if results_path:
                 with open(results_path, "a") as f:
                     f.write(json.dumps(row) + "\n")

@@ -163,6 +163,9 @@ class Supervisor:
         """Run the job to its end. Returns the exit code; raises for the first failure."""
         jobs.refuse_if_running(self.home, self.plan.experiment, self.plan.trial, self.plan.kind)
         Path(self.plan.log_dir).mkdir(parents=True, exist_ok=True)
+        # Entries left by servers that died with their supervisor and watchdog (a reboot):
+        # AReaL's reader cannot tell them from live ones, so they go before we add ours.
+        self.registry.prune(self.plan.experiment, self.plan.trial)
         self._write_api_key()
         self._start_record()
         self._start_reaper()

@@ -128,8 +128,7 @@ class TargetTokensTask:
         rng = random.Random(cfg.seed)
         letters = "abcdefghijklmnopqrstuvwxyz"
         self.prompts = [
-            "".join(rng.choice(letters) for _ in range(cfg.prompt_chars)) + ":"
-            for _ in range(1024)
+            "".join(rng.choice(letters) for _ in range(cfg.prompt_chars)) + ":" for _ in range(1024)
         ]
 
     def prompt_ids(self, index: int) -> tuple[list[int], Any]:
@@ -371,7 +370,10 @@ def main(argv: list[str]) -> None:
 
         # 2. reward and group-normalised advantages
         rewards = torch.tensor(
-            [[task.reward(c.output_ids, answer) for c in group] for group, (_, answer) in zip(groups, prompts)]
+            [
+                [task.reward(c.output_ids, answer) for c in group]
+                for group, (_, answer) in zip(groups, prompts, strict=True)
+            ]
         ).reshape(len(prompts), cfg.group_size)
         advantages = group_advantages(rewards)
         samples = [
@@ -381,7 +383,7 @@ def main(argv: list[str]) -> None:
                 "logprobs": c.logprobs,
                 "advantage": advantages[i, j].item(),
             }
-            for i, ((ids, _), group) in enumerate(zip(prompts, groups))
+            for i, ((ids, _), group) in enumerate(zip(prompts, groups, strict=True))
             for j, c in enumerate(group)
             if c.output_ids
         ]

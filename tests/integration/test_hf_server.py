@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -111,6 +112,20 @@ def test_stop_token_ids_end_generation(server: HfServer):
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[k]}
 
 
+def test_stop_strings_trim_text(server: HfServer):
+    free = generate(
+        server, PROMPTS[3], {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    )
+    ids = free["output_ids"]
+    # Byte tokens below 128 are single ASCII characters: stop on the first new printable one.
+    k = next(i for i in range(1, len(ids)) if 32 < ids[i] < 127 and ids[i] not in ids[:i])
+    stop = chr(ids[k])
+    body = generate(server, PROMPTS[3], {"max_new_tokens": 40, "temperature": 0, "stop": [stop]})
+    assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert body["output_ids"] == ids[: k + 1]
+    assert stop not in body["text"]
+
+
 def test_concurrent_requests_are_batched_and_match_sequential(server: HfServer):
     _, before = server.get("/get_server_info")
     prompts = PROMPTS * 2
@@ -126,12 +141,17 @@ def test_concurrent_requests_are_batched_and_match_sequential(server: HfServer):
     assert together[:4] == sequential and together[4:] == sequential
 
 
-def test_seeded_sampling_is_reproducible_per_request_seed(server: HfServer):
+def test_request_seed_and_truncated_sampling(server: HfServer):
     params = {"max_new_tokens": 10, "temperature": 1.0, "top_p": 0.9, "top_k": 50, "seed": 123}
     a = generate(server, PROMPTS[1], params)["output_ids"]
     b = generate(server, PROMPTS[1], params)["output_ids"]
     c = generate(server, PROMPTS[1], {**params, "seed": 124})["output_ids"]
     assert a == b and a != c
+    # Truncation to one candidate is greedy decoding, whatever the temperature.
+    greedy = generate(server, PROMPTS[1], {"max_new_tokens": 10, "temperature": 0})["output_ids"]
+    for cut in ({"top_k": 1}, {"top_p": 1e-6}):
+        sampled = generate(server, PROMPTS[1], {"max_new_tokens": 10, "temperature": 1.5, **cut})
+        assert sampled["output_ids"] == greedy
 
 
 def test_update_weights_swaps_and_bumps_version(server: HfServer, models):
@@ -157,15 +177,31 @@ def test_update_weights_swaps_and_bumps_version(server: HfServer, models):
     assert "weights updated" in server.log()
 
 
-@pytest.mark.parametrize("bad", ["missing", "wide"])
+def _partial_checkpoint(src: Path, dst: Path) -> Path:
+    """A copy of `src` whose weights lack one tensor."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    del tensors["model.norm.weight"]
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("bad", ["missing", "wide", "partial"])
 def test_bad_weight_path_keeps_old_weights(server: HfServer, models, tmp_path: Path, bad: str):
     before = generate(server, PROMPTS[2])["output_ids"]
     version = server.get("/get_weight_version")[1]["weight_version"]
-    path = str(tmp_path / "nope") if bad == "missing" else str(models["wide"])
-    status, res = server.post("/update_weights_from_disk", {"model_path": path})
+    path = {
+        "missing": lambda: tmp_path / "nope",
+        "wide": lambda: models["wide"],
+        "partial": lambda: _partial_checkpoint(models["other"], tmp_path / "partial"),
+    }[bad]()
+    status, res = server.post("/update_weights_from_disk", {"model_path": str(path)})
     assert status == 400 and res["success"] is False and res["message"]
     assert server.get("/get_weight_version")[1]["weight_version"] == version
     assert generate(server, PROMPTS[2])["output_ids"] == before
+    assert "weight update from" in server.log()
 
 
 def test_pause_holds_requests_until_continue(server: HfServer):
@@ -236,7 +272,8 @@ def test_v1_completions_with_token_ids_and_logprobs(server: HfServer, models):
 
 def test_api_key_seed_and_sigterm(models, tmp_path: Path):
     """Two fresh servers with the same --seed and --api-key: 401 without the key, the same
-    sampled outputs for the same requests, and SIGTERM mid-generation exits 0 quickly."""
+    sampled outputs for the same requests, and SIGTERM mid-generation exits 0 quickly.
+    A third, started beside them on a missing model, exits 1."""
     args = ("--api-key", "sekret", "--seed", "7")
     auth = {"Authorization": "Bearer sekret"}
     params = {"max_new_tokens": 12, "temperature": 1.0}

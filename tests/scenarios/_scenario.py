@@ -1,8 +1,12 @@
 """Shared plumbing of the hang scenarios: gloo init with a long timeout, a self-destruct timer,
-and a ready file touched once the main thread sits where the scenario wants it.
+files that say how far each rank got, and a start signal for the busy-looping scenarios.
 
-Environment: SCENARIO_DIR (where ready-<rank> files go), SCENARIO_LIFETIME (seconds, default
-120: the scenario kills itself after that even if its test's teardown never ran).
+    SCENARIO_DIR/alive-<rank>   the rank's interpreter runs (touched on import of this module)
+    SCENARIO_DIR/ready-<rank>   the main thread sits where the scenario wants it
+    SCENARIO_DIR/go             written by the test: busy scenarios start burning CPU only then
+
+SCENARIO_LIFETIME (seconds, default 120): the scenario kills itself after that even if its
+test's teardown never ran.
 """
 
 from __future__ import annotations
@@ -16,6 +20,21 @@ from pathlib import Path
 
 RANK = int(os.environ.get("RANK", "0"))
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _touch(name: str) -> None:
+    d = os.environ.get("SCENARIO_DIR")
+    if d:
+        (Path(d) / name).touch()
+
+
+_touch(f"alive-{RANK}")
+
+
+def wait_for_go() -> None:
+    go = Path(os.environ["SCENARIO_DIR"]) / "go"
+    while not go.exists():
+        time.sleep(0.05)
 
 
 def self_destruct() -> None:

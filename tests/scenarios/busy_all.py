@@ -14,5 +14,6 @@ def train():
 
 sc.self_destruct()
 sc.init_gloo()
+sc.wait_for_go()
 sc.ready_when_in("train")
 train()

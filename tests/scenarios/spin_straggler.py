@@ -18,6 +18,7 @@ def sync_grads(t):
 sc.self_destruct()
 sc.init_gloo()
 if sc.RANK == sc.WORLD_SIZE - 1:
+    sc.wait_for_go()
     sc.ready_when_in("compute_loss")
     compute_loss()
 else:

@@ -113,7 +113,9 @@ def parse_sizes(spec: str) -> list[int]:
     lo_b = parse_size(lo)
     hi_b = parse_size(hi) if sep else lo_b
     if hi_b < lo_b:
-        raise UsageError(f"--sizes {spec}: the maximum is smaller than the minimum", hint="e.g. 1K:16M")
+        raise UsageError(
+            f"--sizes {spec}: the maximum is smaller than the minimum", hint="e.g. 1K:16M"
+        )
     out, size = [], lo_b
     while size <= hi_b:
         out.append(size)
@@ -166,7 +168,9 @@ def run(
     if backend == "nccl":
         n = _gpu_count()
         if n == 0:
-            raise UsageError("backend nccl needs NVIDIA GPUs; none found", hint="use --backend gloo")
+            raise UsageError(
+                "backend nccl needs NVIDIA GPUs; none found", hint="use --backend gloo"
+            )
         if nproc > n:
             raise UsageError(f"--nproc {nproc} but only {n} GPUs here", hint=f"--nproc {n}")
     size_list = parse_sizes(sizes)

@@ -157,7 +157,9 @@ def pyspy_row() -> Row:
     exe = stacks.find_pyspy()
     if exe is None:
         return Row(
-            "py-spy", FAIL, "not installed: `areal doctor hang` cannot read stacks",
+            "py-spy",
+            FAIL,
+            "not installed: `areal doctor hang` cannot read stacks",
             f"{sys.executable} -m pip install py-spy",
         )
     version = stacks.pyspy_version(exe)
@@ -225,8 +227,14 @@ def nofile_row() -> Row:
         if hard == resource.RLIM_INFINITY or hard >= NOFILE_WANT:
             fix = f"ulimit -n {NOFILE_WANT}"
         else:
-            fix = f"ulimit -n {hard}; raise the hard limit in /etc/security/limits.conf (nofile {NOFILE_WANT})"
-        return Row("open files", WARN, detail + ": many ranks, servers and loaders open many files", fix)
+            raise_hard = (
+                f"raise the hard limit: '* - nofile {NOFILE_WANT}' in /etc/security/limits.conf, "
+                f"or docker run --ulimit nofile={NOFILE_WANT}:{NOFILE_WANT}"
+            )
+            fix = raise_hard if soft >= hard else f"ulimit -n {hard}; then {raise_hard}"
+        return Row(
+            "open files", WARN, detail + ": ranks, servers and data loaders open many files", fix
+        )
     return Row("open files", PASS, detail)
 
 
@@ -347,7 +355,9 @@ def leftovers_row(home: Path) -> Row:
             name = " ".join(p.cmdline())[:50]
         except psutil.Error:
             name = "?"
-        parts.append(f"pid {p.pid} ({name}; {why}" + (f"; holds {', '.join(held)}" if held else "") + ")")
+        parts.append(
+            f"pid {p.pid} ({name}; {why}" + (f"; holds {', '.join(held)}" if held else "") + ")"
+        )
     pids = " ".join(str(p.pid) for p, _, _ in holders)
     status = FAIL if any(held for _, _, held in holders) else WARN
     return Row(
@@ -428,4 +438,3 @@ def _lim(v: int) -> str:
 
 def _cap(v: int) -> int:
     return NOFILE_WANT if v == resource.RLIM_INFINITY else v
-

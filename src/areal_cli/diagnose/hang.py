@@ -13,7 +13,7 @@ from pathlib import Path
 from areal_cli.diagnose import permissions, stacks
 from areal_cli.diagnose.targets import Job
 from areal_cli.diagnose.verdict import Analysis, RankSamples, analyze
-from areal_cli.errors import ArealError, EXIT_FAILED
+from areal_cli.errors import EXIT_FAILED, ArealError
 
 
 class AttachError(ArealError):

@@ -62,13 +62,15 @@ def build(sizes: dict[str, int]) -> tuple[tuple[tuple[str, int], ...], list[dict
 
     def rank_of(coords: tuple[int, ...]) -> int:
         r = 0
-        for c, s in zip(coords, shape):
+        for c, s in zip(coords, shape, strict=True):
             r = r * s + c
         return r
 
     ranks = []
     for coords in product(*(range(s) for s in shape)):
-        ranks.append({"rank": rank_of(coords), "coords": dict(zip(names, coords)), "groups": {}})
+        ranks.append(
+            {"rank": rank_of(coords), "coords": dict(zip(names, coords, strict=True)), "groups": {}}
+        )
     ranks.sort(key=lambda r: r["rank"])
 
     groups: dict[str, list[list[int]]] = {}
@@ -96,7 +98,9 @@ def from_alloc(text: str, name: str | None = None) -> Mesh:
             names = [c.name for c in parsed.components if c.name]
             raise UsageError(
                 f"no component named {name!r} in {text!r}",
-                hint=("components: " + ", ".join(names)) if names else "this allocation has no names",
+                hint=("components: " + ", ".join(names))
+                if names
+                else "this allocation has no names",
             )
     else:
         comp = parsed.train or parsed.components[0]

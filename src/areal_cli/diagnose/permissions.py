@@ -122,7 +122,7 @@ def problems(tracer: TracerInfo, targets: list[TargetInfo]) -> list[Problem]:
             if tracer.in_container or tracer.euid == 0:
                 fix = (
                     "start the container with CAP_SYS_PTRACE: docker run --cap-add SYS_PTRACE "
-                    "(Kubernetes: securityContext.capabilities.add: [\"SYS_PTRACE\"]), or run "
+                    '(Kubernetes: securityContext.capabilities.add: ["SYS_PTRACE"]), or run '
                     "`areal doctor hang` from the host"
                 )
             else:
@@ -174,7 +174,7 @@ def explain_failure(kind: str, tracer: TracerInfo) -> str:
         if tracer.in_container:
             return (
                 "inside a container, py-spy needs CAP_SYS_PTRACE: docker run --cap-add "
-                "SYS_PTRACE (Kubernetes: securityContext.capabilities.add: [\"SYS_PTRACE\"])"
+                'SYS_PTRACE (Kubernetes: securityContext.capabilities.add: ["SYS_PTRACE"])'
             )
         return f"run as root: {SUDO_RERUN}"
     if kind == "version":

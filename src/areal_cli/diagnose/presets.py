@@ -83,7 +83,9 @@ def load_presets() -> dict[str, Preset]:
 
 def _build(name: str, raw: dict, path: Path, chain: tuple[str, ...]) -> Preset:
     if name in chain:
-        raise UsageError(f"{path}: presets include each other in a loop: {' -> '.join(chain + (name,))}")
+        raise UsageError(
+            f"{path}: presets include each other in a loop: {' -> '.join(chain + (name,))}"
+        )
     body = raw.get(name)
     if not isinstance(body, dict):
         raise UsageError(f"{path}: preset {name!r} must be a mapping with description and vars")
@@ -269,7 +271,9 @@ def run_with_preset(name: str, argv: list[str]) -> int:
     """Run argv with the preset on top of this environment and return its exit code (128+N when
     signal N killed it). A program that does not exist is a UsageError."""
     if not argv:
-        raise UsageError("no command given after --", hint="areal doctor env --preset hang -- python train.py")
+        raise UsageError(
+            "no command given after --", hint="areal doctor env --preset hang -- python train.py"
+        )
     env = {**os.environ, **preset_env(name)}
     prepare_paths(env)
     try:

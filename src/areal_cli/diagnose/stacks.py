@@ -317,7 +317,9 @@ def parse_pyspy_json(text: str) -> list[ThreadStack]:
 
 def _is_native_file(filename: str) -> bool:
     # With --native, py-spy adds C/C++ frames whose "file" is a .so, a C/C++ source or "?".
-    return filename.endswith((".so", ".c", ".cc", ".cpp", ".cu", ".h", ".hpp")) or ".so." in filename
+    return (
+        filename.endswith((".so", ".c", ".cc", ".cpp", ".cu", ".h", ".hpp")) or ".so." in filename
+    )
 
 
 def with_source(threads: list[ThreadStack]) -> list[ThreadStack]:
@@ -336,9 +338,7 @@ def with_source(threads: list[ThreadStack]) -> list[ThreadStack]:
             if not f.native and f.file and not f.file.startswith("<"):
                 code = linecache.getline(f.file, f.line).strip() or None
             frames.append(
-                Frame(f.function, f.file, f.line, f.short, f.locals, f.native, code)
-                if code
-                else f
+                Frame(f.function, f.file, f.line, f.short, f.locals, f.native, code) if code else f
             )
         out.append(
             ThreadStack(t.thread_id, t.os_thread_id, t.name, t.active, t.owns_gil, tuple(frames))

@@ -141,7 +141,7 @@ def _from_pids(pids: list[int]) -> list[Job]:
             groups[key] = Job(label="", ranks=[])
         groups[key].ranks.append(rank)
     out = []
-    for key, j in groups.items():
+    for j in groups.values():
         if not j.label:
             pids_text = ",".join(str(r.pid) for r in j.ranks)
             j.label = f"pids {pids_text}"
@@ -266,7 +266,9 @@ def is_python(p: psutil.Process) -> bool:
 def launcher_label(p: psutil.Process) -> str:
     cmd = _cmdline(p)
     script = next((c for c in cmd[1:] if c.endswith(".py")), None)
-    kind = "torchrun" if "torch" in " ".join(cmd[:4]) or "torchrun" in " ".join(cmd[:2]) else "areal"
+    kind = (
+        "torchrun" if "torch" in " ".join(cmd[:4]) or "torchrun" in " ".join(cmd[:2]) else "areal"
+    )
     return f"{kind} pid {p.pid}" + (f" ({os.path.basename(script)})" if script else "")
 
 

@@ -58,7 +58,12 @@ COLLECTIVES: dict[str, str] = {
         "all_gather",
     ),
     **dict.fromkeys(
-        ["reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "reduce_scatter_multigpu"],
+        [
+            "reduce_scatter",
+            "reduce_scatter_tensor",
+            "_reduce_scatter_base",
+            "reduce_scatter_multigpu",
+        ],
         "reduce_scatter",
     ),
     **dict.fromkeys(
@@ -105,6 +110,7 @@ _NATIVE = [
     (re.compile(r"barrier", re.I), "barrier"),
     (re.compile(r"alltoall|all_to_all", re.I), "all_to_all"),
     (re.compile(r"::(send|recv)\b", re.I), "send/recv"),
+    (re.compile(r"Work::wait|wait_tensor"), "work.wait"),
 ]
 _NATIVE_SCOPE = re.compile(r"c10d::|gloo::|nccl", re.I)
 _CUDA_SYNC = re.compile(r"cu(da)?(Stream|Device|Event|Ctx)Synchronize")
@@ -242,8 +248,8 @@ def find_collective(frames: tuple[Frame, ...]) -> tuple[str, str] | None:
     for f in frames:
         if f.native and _CUDA_SYNC.search(f.function):
             return "cuda_sync", f.function.split("(")[0]
-    if frames:
-        inner = frames[0]
+    inner = next((f for f in frames if not f.native), None)
+    if inner is not None:
         # Blocked in C called straight from user code: the source line says on what.
         if is_user_frame(inner) and inner.code and _WAIT_CALL.search(inner.code):
             return "work.wait", "wait"
@@ -404,7 +410,9 @@ def decide(
             slow = [r.rank for r in busy if r.progress == "slow"]
             parts = []
             if stuck:
-                parts.append(f"{_ranks_word(stuck)} did not leave its loop across {samples} samples (stuck)")
+                parts.append(
+                    f"{_ranks_word(stuck)} did not leave its loop across {samples} samples (stuck)"
+                )
             if slow:
                 parts.append(f"{_ranks_word(slow)} moved between samples (slow, not stuck)")
             detail = "; " + "; ".join(parts)
@@ -441,7 +449,11 @@ def decide(
                 odd,
                 [],
                 f"ranks wait in different collectives: {by_kind}"
-                + (" (groups of equal size: either side may have taken the wrong branch)" if tie else ""),
+                + (
+                    " (groups of equal size: either side may have taken the wrong branch)"
+                    if tie
+                    else ""
+                ),
                 evidence=[_line(r) for r in waiting + idle],
                 hint="every rank must call the same collectives in the same order; look for "
                 "rank-dependent branches before these lines",
@@ -565,7 +577,8 @@ def _where_many(rs: list[RankResult], verb: str | None = None) -> str:
 
 def _line(r: RankResult) -> str:
     what = {
-        "collective": f"waits in {r.collective}" + (f" ({r.op})" if r.op and r.op != r.collective else ""),
+        "collective": f"waits in {r.collective}"
+        + (f" ({r.op})" if r.op and r.op != r.collective else ""),
         "busy": "computing",
         "idle": "idle",
     }.get(r.state, r.state)

@@ -6,6 +6,8 @@
 The port is bound before the model loads, so /health answers 503 at once and 200 when the
 server is ready; then one line "ready: model=... on DEVICE at URL" goes to stdout.
 SIGTERM or SIGINT aborts running generation and exits 0 within about a second.
+
+Endpoints are listed in `app.py`; sampling and logprob semantics in `engine.py`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads on CPU (default: 1 for models under 50M parameters)",
+    )
     p.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument(
@@ -49,12 +57,16 @@ async def serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from areal_cli.server.app import ServerState, build_app
-    from areal_cli.server.batcher import Batcher, in_thread
+    from areal_cli.server.batcher import Batcher, TorchWorker
     from areal_cli.server.engine import Engine
 
-    engine = Engine(args.model_path, device=args.device, dtype=args.dtype)
+    engine = Engine(
+        args.model_path, device=args.device, dtype=args.dtype, cpu_threads=args.cpu_threads
+    )
+    torch_worker = TorchWorker()
     batcher = Batcher(
         engine,
+        torch_worker,
         max_batch_size=args.max_batch_size,
         batch_window_s=args.batch_window_ms / 1000,
         seed=args.seed,
@@ -88,7 +100,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     async def load() -> None:
         started = time.perf_counter()
-        await in_thread(engine.load)
+        await torch_worker.run(engine.load)
         state.ready = True
         log.info(
             "ready: model=%s on %s at %s (loaded in %.1fs)",
@@ -99,12 +111,12 @@ async def serve(args: argparse.Namespace) -> int:
         )
         await batcher.run()
 
-    worker = asyncio.create_task(load())
+    serving = asyncio.create_task(load())
     stopper = asyncio.create_task(stop.wait())
-    await asyncio.wait({worker, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait({serving, stopper}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
-    if worker.done() and not worker.cancelled() and worker.exception() is not None:
-        exc = worker.exception()
+    if serving.done() and not serving.cancelled() and serving.exception() is not None:
+        exc = serving.exception()
         log.error("cannot load %s: %s: %s", args.model_path, type(exc).__name__, exc)
         code = 1
     else:
@@ -112,9 +124,9 @@ async def serve(args: argparse.Namespace) -> int:
     state.ready = False
     # Running generation stops at its next step; waiting clients get an 'abort' answer.
     await batcher.close()
-    for task in (worker, stopper):
+    for task in (serving, stopper):
         task.cancel()
-    await asyncio.gather(worker, stopper, return_exceptions=True)
+    await asyncio.gather(serving, stopper, return_exceptions=True)
     await runner.cleanup()
     return code
 
@@ -126,6 +138,9 @@ def _url_host(host: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Until the event loop takes the signals over, a stop request during start-up still exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: sys.exit(0))
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     logging.getLogger("aiohttp").setLevel(logging.WARNING)
     args = parse_args(argv)

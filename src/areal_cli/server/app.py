@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
-from areal_cli.server.batcher import Batcher, in_thread
+from areal_cli.server.batcher import Batcher
 from areal_cli.server.engine import (
     Engine,
     GenRequest,
@@ -132,7 +132,8 @@ async def health_generate(request: web.Request) -> web.Response:
     st = request.app[STATE]
     prompt = [st.engine.pad_token_id]
     params = SamplingParams(max_new_tokens=1, temperature=0)
-    await st.batcher.submit([GenRequest(prompt, params, seed=0, rid="health")])
+    # A probe must not shift the seeds of real requests.
+    await st.batcher.submit([GenRequest(prompt, params, rid="health")], seeded=False)
     return web.Response(status=200)
 
 
@@ -196,7 +197,6 @@ async def generate(request: web.Request) -> web.Response:
         req = GenRequest(
             input_ids=ids,
             params=sp,
-            seed=st.batcher.seed_for(sp.seed),
             rid=str(rids[i] or uuid.uuid4().hex),
             top_logprobs_num=int(top_n[i] or 0) if want_logprob[i] else 0,
         )
@@ -244,7 +244,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         )
     started = time.perf_counter()
     try:
-        state = await in_thread(st.engine.read_weights, path)
+        state = await st.batcher.worker.run(st.engine.read_weights, path)
     except WeightLoadError as e:
         log.warning(
             "weight update from %s failed, keeping version %s: %s",
@@ -364,9 +364,7 @@ async def v1_completions(request: web.Request) -> web.Response:
                     "seed": None if seed is None else int(seed) + j,
                 }
             )
-            req = GenRequest(
-                ids, sp, seed=st.batcher.seed_for(sp.seed), top_logprobs_num=top_n or 0
-            )
+            req = GenRequest(ids, sp, top_logprobs_num=top_n or 0)
             st.engine.check_request(req)
             reqs.append(req)
 

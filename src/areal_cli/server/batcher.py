@@ -13,6 +13,7 @@ step and answers every queued request with finish_reason "abort".
 from __future__ import annotations
 
 import asyncio
+import queue
 import random
 import threading
 from collections import Counter, deque
@@ -25,34 +26,44 @@ from areal_cli.server.engine import Engine, GenRequest, GenResult
 T = TypeVar("T")
 
 
-def in_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-    """Run `fn` in a daemon thread. Unlike the default executor, a daemon thread never holds
-    up shutdown: a SIGTERM during a model load exits at once."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[T] = loop.create_future()
+class TorchWorker:
+    """One long-lived daemon thread that runs every piece of torch work, in submission order.
 
-    def settle(ok: bool, value: Any) -> None:
-        if fut.done():
-            return
-        if ok:
-            fut.set_result(value)
-        else:
-            fut.set_exception(value)
+    One thread, not one per call: torch's intra-op thread pool belongs to the thread that first
+    uses it, and building a fresh pool per request costs more than decoding with a tiny model.
+    A daemon thread never holds up shutdown: a SIGTERM during a model load exits at once.
+    """
 
-    def target() -> None:
-        try:
-            result = fn(*args)
-        except BaseException as e:  # handed to the awaiting coroutine
-            outcome = (False, e)
-        else:
-            outcome = (True, result)
-        try:
-            loop.call_soon_threadsafe(settle, *outcome)
-        except RuntimeError:  # the loop closed while this ran: nobody waits any more
-            pass
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, daemon=True, name="torch-worker").start()
 
-    threading.Thread(target=target, daemon=True, name=getattr(fn, "__name__", "worker")).start()
-    return fut
+    def run(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        self._jobs.put((loop, fut, fn, args))
+        return fut
+
+    def _serve(self) -> None:
+        while True:
+            loop, fut, fn, args = self._jobs.get()
+            try:
+                outcome = (True, fn(*args))
+            except BaseException as e:  # handed to the awaiting coroutine
+                outcome = (False, e)
+            try:
+                loop.call_soon_threadsafe(_settle, fut, *outcome)
+            except RuntimeError:  # the loop closed while this ran: nobody waits any more
+                pass
+
+
+def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
+    if fut.done():
+        return
+    if ok:
+        fut.set_result(value)
+    else:
+        fut.set_exception(value)
 
 
 @dataclass
@@ -65,12 +76,14 @@ class Batcher:
     def __init__(
         self,
         engine: Engine,
+        worker: TorchWorker,
         *,
         max_batch_size: int = 32,
         batch_window_s: float = 0.005,
         seed: int | None = None,
     ):
         self.engine = engine
+        self.worker = worker
         self.max_batch_size = max(1, max_batch_size)
         self.batch_window_s = batch_window_s
         self.seed = seed
@@ -92,7 +105,7 @@ class Batcher:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def seed_for(self, explicit: int | None) -> int:
+    def _seed_for(self, explicit: int | None) -> int:
         """A request's sampling seed, fixed at arrival so that, with a server seed, the same
         requests in the same order sample the same tokens however they get batched."""
         self._arrivals += 1
@@ -102,7 +115,12 @@ class Batcher:
             return random.getrandbits(63)
         return (self.seed * 1_000_003 + self._arrivals) % (1 << 63)
 
-    async def submit(self, reqs: list[GenRequest]) -> list[GenResult]:
+    async def submit(self, reqs: list[GenRequest], *, seeded: bool = True) -> list[GenResult]:
+        """Queue `reqs` and wait for their results. `seeded=False` keeps each request's own
+        seed and leaves the arrival count alone."""
+        if seeded:
+            for r in reqs:
+                r.seed = self._seed_for(r.params.seed)
         loop = asyncio.get_running_loop()
         pending = [_Pending(r, loop.create_future()) for r in reqs]
         if self._closed:
@@ -134,7 +152,7 @@ class Batcher:
                 version = self.weight_version
                 self._running = len(batch)
                 try:
-                    results = await in_thread(
+                    results = await self.worker.run(
                         self.engine.generate, [p.req for p in batch], self.abort
                     )
                 except Exception as e:
@@ -207,7 +225,7 @@ class Batcher:
 
     async def swap_weights(self, state: dict[str, Any], path: str, version: str) -> None:
         async with self.lock:
-            await in_thread(self.engine.swap_weights, state, path)
+            await self.worker.run(self.engine.swap_weights, state, path)
             self.weight_version = version
 
     def stats(self) -> dict[str, Any]:

@@ -36,7 +36,19 @@ _EXPORTS = {
     "full_state_dict": "weights",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "Completion",
+    "RolloutClient",
+    "RolloutError",
+    "WorkerContext",
+    "close",
+    "connect",
+    "full_state_dict",
+    "save_hf_checkpoint",
+    "shard_model",
+    "sync_weights",
+    "transformer_blocks",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -100,7 +100,6 @@ def save_hf_checkpoint(
     """
     import json
 
-    import torch
     from safetensors.torch import save_file
 
     target = Path(path).expanduser().resolve()

@@ -1,0 +1,152 @@
+"""RolloutClient throughput against a bare aiohttp client, same stub server, same run.
+
+    python benchmarks/bench_rollout_client.py [--requests 2000] [--concurrency 64]
+
+A minimal SGLang-style `/generate` stub runs in a subprocess. The baseline posts the same
+payload with one aiohttp session and a semaphore and decodes the JSON; RolloutClient does
+the same plus server choice, failover bookkeeping and response parsing. Rounds alternate
+and the best of each side counts, so background load hurts both alike.
+
+Prints `rollout_client_throughput: <client / baseline>`; exits 1 below the target (0.8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+TARGET = 0.8
+MAX_NEW_TOKENS = 16
+
+
+def serve(port: int) -> None:
+    from aiohttp import web
+
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.json()
+        n = body["sampling_params"]["max_new_tokens"]
+        out = [(body["input_ids"][-1] + i) % 256 for i in range(n)]
+        return web.json_response(
+            {
+                "text": "",
+                "output_ids": out,
+                "meta_info": {
+                    "output_token_logprobs": [[-0.5, t, None] for t in out],
+                    "finish_reason": {"type": "length", "length": n},
+                    "weight_version": "0",
+                },
+            }
+        )
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"stub server exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit("stub server did not start")
+
+
+def _prompts(n: int) -> list[list[int]]:
+    return [[1 + (i % 200), 2, 3, 4, 5, 6, 7, 8] for i in range(n)]
+
+
+async def raw_round(addr: str, prompts: list[list[int]], concurrency: int) -> float:
+    import aiohttp
+
+    sem = asyncio.Semaphore(concurrency)
+    sampling = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as s:
+
+        async def one(ids: list[int]) -> list[int]:
+            async with sem:
+                payload = {"input_ids": ids, "sampling_params": sampling, "return_logprob": True}
+                async with s.post(f"http://{addr}/generate", json=payload) as resp:
+                    return (await resp.json())["output_ids"]
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(p) for p in prompts))
+        elapsed = time.perf_counter() - t0
+    assert len(results) == len(prompts)
+    return len(prompts) / elapsed
+
+
+async def client_round(addr: str, prompts: list[list[int]], concurrency: int) -> float:
+    from areal_cli.worker.rollout import RolloutClient
+
+    async with RolloutClient([addr], backend="sglang", max_concurrency=concurrency) as client:
+        t0 = time.perf_counter()
+        groups = await client.generate_batch(prompts, max_new_tokens=MAX_NEW_TOKENS)
+        elapsed = time.perf_counter() - t0
+    assert len(groups) == len(prompts) and len(groups[0][0].output_ids) == MAX_NEW_TOKENS
+    return len(prompts) / elapsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve)
+        return 0
+
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--serve", str(port)],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_listening(port, proc)
+        addr = f"127.0.0.1:{port}"
+        prompts = _prompts(args.requests)
+        raw, ours = [], []
+
+        async def bench() -> None:
+            await raw_round(addr, prompts[:200], args.concurrency)  # warm up both sides
+            await client_round(addr, prompts[:200], args.concurrency)
+            for _ in range(args.rounds):
+                raw.append(await raw_round(addr, prompts, args.concurrency))
+                ours.append(await client_round(addr, prompts, args.concurrency))
+
+        asyncio.run(bench())
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
+
+    ratio = max(ours) / max(raw)
+    print(f"raw aiohttp: {max(raw):.0f} req/s · RolloutClient: {max(ours):.0f} req/s")
+    print(f"rollout_client_throughput: {ratio:.3f}")
+    return 0 if ratio >= TARGET else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""py-spy output parsing and error classification."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from areal_cli.diagnose import stacks
+
+# Recorded from `py-spy dump --json` (py-spy 0.4.3) on a rank blocked in a gloo all_reduce.
+RECORDED = [
+    {
+        "pid": 4837,
+        "thread_id": 140093214508864,
+        "thread_name": "MainThread",
+        "os_thread_id": 4837,
+        "active": False,
+        "owns_gil": False,
+        "frames": [
+            {
+                "name": "all_reduce",
+                "filename": "/work/main/.venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py",
+                "module": None,
+                "short_filename": "torch/distributed/distributed_c10d.py",
+                "line": 3252,
+                "locals": None,
+                "is_entry": False,
+                "is_shim_entry": False,
+            },
+            {
+                "name": "step",
+                "filename": "/tmp/s1.py",
+                "module": None,
+                "short_filename": "s1.py",
+                "line": 8,
+                "locals": [{"name": "t", "addr": 1, "arg": True, "repr": "tensor([1.])"}],
+                "is_entry": False,
+                "is_shim_entry": False,
+            },
+        ],
+        "process_info": None,
+    }
+]
+
+
+def test_parse_recorded_output():
+    threads = stacks.parse_pyspy_json(json.dumps(RECORDED))
+    assert len(threads) == 1
+    t = threads[0]
+    assert t.name == "MainThread" and t.os_thread_id == 4837 and not t.active
+    assert [f.function for f in t.frames] == ["all_reduce", "step"]
+    assert t.frames[1].where() == "s1.py:8"
+    assert t.frames[1].locals == (("t", "tensor([1.])"),)
+    d = stacks.Dump(pid=4837, threads=threads)
+    assert d.main_thread() is t
+
+
+def test_error_lines_and_kinds():
+    stderr = (
+        "Error: Failed to get process executable name. Check that the process is running.\n\n"
+        "Caused by:\n    0: Permission denied (os error 13)\n"
+    )
+    line = stacks._first_error_line(stderr)
+    assert line.startswith("Failed to get process executable name")
+    assert "Permission denied (os error 13)" in line
+    assert stacks.classify_error(stderr, os.getpid()) == "permission"
+    assert (
+        stacks.classify_error("Error: Unsupported version of Python: 3.99", os.getpid())
+        == "version"
+    )
+    assert stacks.classify_error("anything", 2**22 + 12345) == "gone"
+
+
+def test_pyspy_is_found_next_to_the_interpreter():
+    exe = stacks.find_pyspy()
+    assert exe is not None and exe.endswith("py-spy")

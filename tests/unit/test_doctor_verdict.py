@@ -1,0 +1,320 @@
+"""Hang verdicts from parsed dumps: the pure half of `areal doctor hang`.
+
+Stacks are written in py-spy's own `dump --json` format (innermost frame first), with the
+torch frames a gloo job really shows, and go through the same parser the command uses.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from areal_cli.diagnose.stacks import Dump, Frame, parse_pyspy_json
+from areal_cli.diagnose.verdict import (
+    RankSamples,
+    analyze,
+    find_collective,
+    user_frame,
+)
+
+SITE = "/venv/lib/python3.11/site-packages"
+STDLIB = "/usr/lib/python3.11"
+USER = "/home/me/train.py"
+
+
+def fr(name: str, file: str, line: int) -> dict:
+    short = file.split("site-packages/")[-1] if "site-packages" in file else file.rsplit("/", 1)[-1]
+    return {
+        "name": name,
+        "filename": file,
+        "module": None,
+        "short_filename": short,
+        "line": line,
+        "locals": None,
+        "is_entry": False,
+        "is_shim_entry": False,
+    }
+
+
+def c10d(name: str, line: int = 3252) -> list[dict]:
+    return [
+        fr(name, f"{SITE}/torch/distributed/distributed_c10d.py", line),
+        fr("_exception_logger.<locals>.wrapper", f"{SITE}/torch/distributed/c10d_logger.py", 83),
+    ]
+
+
+def user(func: str, line: int) -> list[dict]:
+    return [fr(func, USER, line), fr("<module>", USER, 99)]
+
+
+def dump(pid: int, frames: list[dict], active: bool = False, extra_threads=()) -> Dump:
+    threads = [
+        {
+            "pid": pid,
+            "thread_id": 1,
+            "thread_name": "MainThread",
+            "os_thread_id": pid,
+            "active": active,
+            "owns_gil": active,
+            "frames": frames,
+            "process_info": None,
+        },
+        *extra_threads,
+    ]
+    text = json.dumps(threads)
+    return Dump(pid=pid, threads=parse_pyspy_json(text), raw=text)
+
+
+def waiting(pid: int, coll: str = "all_reduce", line: int = 10) -> Dump:
+    return dump(pid, c10d(coll) + user("train_step", line))
+
+
+def idle_on_queue(pid: int, func: str = "next_batch", line: int = 20) -> Dump:
+    return dump(
+        pid,
+        [
+            fr("Condition.wait", f"{STDLIB}/threading.py", 327),
+            fr("Queue.get", f"{STDLIB}/queue.py", 171),
+        ]
+        + user(func, line),
+    )
+
+
+def spinning(pid: int, line: int = 30, func: str = "compute_loss") -> Dump:
+    return dump(pid, user(func, line), active=True)
+
+
+def samples(*per_rank: list[Dump]) -> list[RankSamples]:
+    return [RankSamples(rank=i, pid=ds[0].pid, dumps=list(ds)) for i, ds in enumerate(per_rank)]
+
+
+def one(*dumps: Dump) -> list[RankSamples]:
+    return samples(*[[d] for d in dumps])
+
+
+# --------------------------------------------------------------------------- verdict kinds
+
+
+def test_mismatched_collective_names_the_rank_that_never_joined():
+    a = analyze(
+        one(waiting(100), waiting(101), idle_on_queue(102, "wait_for_signal", 12)), [0, 1, 2]
+    )
+    v = a.verdict
+    assert v.kind == "mismatched_collective"
+    assert v.odd_ranks == [2]
+    assert "train.py:10" in v.summary and "wait_for_signal" in v.summary
+    assert [g.ranks for g in a.groups] == [[0, 1], [2]]
+
+
+def test_collective_type_mismatch_odd_ranks_are_outside_the_largest_group():
+    a = analyze(one(waiting(1, "all_reduce"), waiting(2, "all_reduce"), waiting(3, "recv", 3000)))
+    assert a.verdict.kind == "collective_type_mismatch"
+    assert a.verdict.odd_ranks == [2]
+    assert {r.collective for r in a.ranks} == {"all_reduce", "send/recv"}
+
+
+def test_collective_type_mismatch_tie_goes_to_the_lowest_rank_and_says_so():
+    a = analyze(one(waiting(1, "all_reduce"), waiting(2, "barrier")))
+    assert a.verdict.kind == "collective_type_mismatch"
+    assert a.verdict.odd_ranks == [1]
+    assert "equal size" in a.verdict.summary
+
+
+def test_missing_rank_from_world_size():
+    init = dump(
+        7,
+        [
+            fr("_store_based_barrier", f"{SITE}/torch/distributed/distributed_c10d.py", 800),
+            fr("init_process_group", f"{SITE}/torch/distributed/distributed_c10d.py", 1700),
+        ]
+        + user("setup", 5),
+    )
+    a = analyze(one(init), expected_ranks=[0, 1])
+    v = a.verdict
+    assert v.kind == "missing_rank"
+    assert v.missing_ranks == [1] and v.odd_ranks == [1]
+    assert a.ranks[0].collective == "init_process_group"
+    assert a.ranks[1].state == "missing"
+
+
+def test_rank_whose_process_vanished_during_dumping_counts_as_missing():
+    gone = Dump(pid=9, error="Failed to open process", error_kind="gone")
+    a = analyze(one(waiting(8), gone))
+    assert a.verdict.kind == "missing_rank"
+    assert a.verdict.missing_ranks == [1]
+
+
+def test_blocked_outside_collective():
+    a = analyze(one(idle_on_queue(1), idle_on_queue(2)))
+    assert a.verdict.kind == "blocked_outside_collective"
+    assert a.verdict.odd_ranks == []
+    assert "next_batch" in a.verdict.summary
+    assert len(a.groups) == 1 and a.groups[0].ranks == [0, 1]
+
+
+def test_straggler_single_sample_asks_for_samples():
+    a = analyze(one(waiting(1), spinning(2)))
+    assert a.verdict.kind == "straggler"
+    assert a.verdict.odd_ranks == [1]
+    assert "--samples" in a.verdict.summary
+
+
+def test_straggler_stuck_versus_slow_from_samples():
+    # Stuck: spinning in one loop, only the line moves.
+    stuck = analyze(samples([waiting(1)] * 3, [spinning(2, 30), spinning(2, 31), spinning(2, 30)]))
+    assert stuck.verdict.kind == "straggler"
+    assert stuck.ranks[1].progress == "stuck"
+    assert "stuck" in stuck.verdict.summary
+    # Slow: the busy rank moves through different functions.
+    slow = analyze(
+        samples(
+            [waiting(1)] * 3,
+            [spinning(2, 30, "forward"), spinning(2, 40, "backward"), spinning(2, 50, "step")],
+        )
+    )
+    assert slow.verdict.kind == "straggler"
+    assert slow.ranks[1].progress == "slow"
+    assert "slow" in slow.verdict.summary
+
+
+def test_no_hang_when_everybody_computes():
+    a = analyze(one(spinning(1), spinning(2)))
+    assert a.verdict.kind == "no_hang"
+    assert a.verdict.odd_ranks == []
+
+
+def test_no_hang_when_every_stack_moves_between_samples():
+    a = analyze(
+        samples(
+            [waiting(1, line=10), waiting(1, line=11)], [waiting(2, line=10), waiting(2, line=12)]
+        )
+    )
+    assert a.verdict.kind == "no_hang"
+
+
+def test_collective_stuck_when_all_wait_in_the_same_collective():
+    a = analyze(one(waiting(1), waiting(2)))
+    assert a.verdict.kind == "collective_stuck"
+    assert "nccl-bisect" in a.verdict.hint
+    multi = analyze(one(waiting(1), waiting(2)), multi_host=True)
+    assert "other hosts" in multi.verdict.hint
+
+
+def test_no_verdict_when_nothing_could_be_read():
+    bad = Dump(pid=1, error="Permission denied", error_kind="permission")
+    a = analyze(one(bad))
+    assert a.verdict is None
+    assert a.ranks[0].state == "error"
+
+
+# --------------------------------------------------------------------------- frames
+
+
+def test_outermost_torch_entry_point_names_the_collective():
+    frames = tuple(
+        parse_pyspy_json(
+            json.dumps(
+                [
+                    {
+                        "thread_id": 1,
+                        "os_thread_id": 1,
+                        "thread_name": "MainThread",
+                        "active": False,
+                        "owns_gil": False,
+                        "frames": c10d("all_gather", 3900)
+                        + c10d("all_gather_object", 3000)
+                        + user("gather_metrics", 7),
+                    }
+                ]
+            )
+        )[0].frames
+    )
+    assert find_collective(frames) == ("all_gather", "all_gather_object")
+
+
+def test_work_wait_is_read_from_the_source_line():
+    f = Frame("train_step", USER, 12, "train.py", code="handle.wait()")
+    assert find_collective((f,)) == ("work.wait", "wait")
+    assert find_collective((Frame("train_step", USER, 12, "train.py", code="x = y + 1"),)) is None
+
+
+def test_native_frames_name_the_collective_with_native():
+    frames = (
+        Frame("gloo::AllreduceOp::run()", "/lib/libgloo.so", 0, native=True),
+        Frame("c10d::ProcessGroupGloo::allreduce(...)", "/lib/libtorch_cpu.so", 0, native=True),
+        Frame("train_step", USER, 12, "train.py"),
+    )
+    assert find_collective(frames)[0] == "all_reduce"
+
+
+def test_user_frame_skips_torch_stdlib_and_frozen_frames():
+    frames = tuple(
+        parse_pyspy_json(
+            json.dumps(
+                [
+                    {
+                        "thread_id": 1,
+                        "os_thread_id": 1,
+                        "thread_name": "MainThread",
+                        "active": False,
+                        "owns_gil": False,
+                        "frames": c10d("barrier")
+                        + [fr("helper", "/home/me/lib/utils.py", 4)]
+                        + [fr("_run_code", "<frozen runpy>", 88)],
+                    }
+                ]
+            )
+        )[0].frames
+    )
+    assert user_frame(frames).where() == "utils.py:4"
+
+
+def test_a_collective_in_another_thread_is_found_when_main_is_not_in_one():
+    side = {
+        "thread_id": 2,
+        "os_thread_id": 555,
+        "thread_name": "comm",
+        "active": False,
+        "owns_gil": False,
+        "frames": c10d("broadcast") + user("comm_loop", 44),
+    }
+    d = dump(
+        50,
+        [fr("Event.wait", f"{STDLIB}/threading.py", 600)] + user("main", 3),
+        extra_threads=[side],
+    )
+    a = analyze(one(d, waiting(51, "broadcast")))
+    assert a.ranks[0].collective == "broadcast"
+    assert a.ranks[0].thread == "comm"
+
+
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        ("reduce_scatter_tensor", "reduce_scatter"),
+        ("all_gather_into_tensor", "all_gather"),
+        ("broadcast_object_list", "broadcast"),
+        ("isend", "send/recv"),
+        ("monitored_barrier", "barrier"),
+        ("new_group", "new_group"),
+        ("all_to_all_single", "all_to_all"),
+    ],
+)
+def test_collective_names_are_normalized(name, expected):
+    frames = tuple(
+        Frame(f["name"], f["filename"], f["line"], f["short_filename"])
+        for f in c10d(name) + user("f", 1)
+    )
+    assert find_collective(frames)[0] == expected
+
+
+def test_to_json_has_the_documented_shape():
+    a = analyze(one(waiting(100), idle_on_queue(101)))
+    data = a.to_json()
+    for r in data["ranks"]:
+        assert {"rank", "pid", "state", "collective", "frame"} <= set(r)
+    for g in data["groups"]:
+        assert {"ranks", "collective", "frame"} <= set(g)
+    assert {"kind", "odd_ranks", "missing_ranks", "summary"} <= set(data["verdict"])
+    assert data["ranks"][0]["frame"]["line"] == 10
