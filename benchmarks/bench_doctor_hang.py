@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 
 from areal_cli import procs
-from areal_cli.diagnose import stacks
+from areal_cli.diagnose import hang, stacks, targets
 
 RANK_SOURCE = """
 import os, queue, pathlib
@@ -82,10 +82,19 @@ def measure(n: int, areal: str, pyspy: str) -> tuple[float, float]:
                 f"{shlex.quote(pyspy)} dump --pid $p > /dev/null || exit 1; done"
             )
             # Interleaved, best of REPEATS: both see the same machine load.
-            d_times, l_times = [], []
+            d_times, l_times, lib_times = [], [], []
+            jobs = targets.resolve(pids=pids)
             for _ in range(REPEATS):
                 d_times.append(timed(doctor))
                 l_times.append(timed(["bash", "-c", loop]))
+                start = time.perf_counter()
+                hang.diagnose(jobs)
+                lib_times.append(time.perf_counter() - start)
+            # Context for the reader: the dumping and judging alone, without the CLI's start-up.
+            print(
+                f"  ranks={n}: dump+verdict in-process {min(lib_times) * 1000:.0f} ms",
+                file=sys.stderr,
+            )
             return min(d_times), min(l_times)
         finally:
             procs.kill_job(marker, [p.pid for p in ranks], grace=1.0)

@@ -1,6 +1,6 @@
 """RolloutClient throughput against a bare aiohttp client, same stub server, same run.
 
-    python benchmarks/bench_rollout_client.py [--requests 2000] [--concurrency 64]
+    python benchmarks/bench_rollout_client.py [--requests 1500] [--concurrency 64]
 
 A minimal SGLang-style `/generate` stub runs in a subprocess. The baseline posts the same
 payload with one aiohttp session and a semaphore and decodes the JSON; RolloutClient does
@@ -105,9 +105,9 @@ async def client_round(addr: str, prompts: list[list[int]], concurrency: int) ->
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--requests", type=int, default=1500)
     parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:

@@ -71,12 +71,14 @@ def hang_cmd(
     \b
     Verdicts: mismatched_collective, collective_type_mismatch, missing_rank,
     blocked_outside_collective, straggler, collective_stuck, no_hang.
+    --json: {job, ranks, groups, verdict, samples, errors}; with several
+    jobs, the first that hangs is at the top level and all are under "jobs".
     Exit code: 0 verdict reached · 1 a dump failed · 2 bad target.
 
     \b
     Examples:
       areal doctor hang --job myexp/trial0
-      areal doctor hang --pid $(pgrep -f torch.distributed.run)
+      areal doctor hang --pid 12345      # torchrun's pid: its workers are found
       areal doctor hang --samples 5 --interval 1 --json
       areal doctor hang --job myexp/trial0 --native --out ./hang-report
     """
@@ -168,6 +170,9 @@ def render_hang(rep, show_locals: bool = False) -> None:
             f"{'[bold red]✗[/] ' if is_odd else '● '}[bold]{_rank_word(g.ranks)}[/] "
             f"[dim](pid {pids})[/] — [{style}]{what}[/]{where}"
         )
+        threads = {m.thread for m in members if m.thread and m.thread != "MainThread"}
+        if threads:
+            label += f" [dim](thread {escape(', '.join(sorted(threads)))})[/]"
         progress = {m.progress for m in members if m.progress}
         if progress:
             label += f" [dim]\\[{', '.join(sorted(progress))}][/]"

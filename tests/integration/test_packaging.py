@@ -20,6 +20,9 @@ def test_wheel_holds_commands_and_templates(tmp_path):
     assert any(n.startswith("areal_cli/templates/grpo/") for n in names)
     assert "areal_cli/templates/env_presets.yaml" in names
     assert any(n.endswith("entry_points.txt") for n in names)
+    # Every package of the source tree made it in (the package list is explicit).
+    for init in (REPO / "src").rglob("__init__.py"):
+        assert str(init.relative_to(REPO / "src")) in names, init
 
 
 def test_help_does_not_import_torch():

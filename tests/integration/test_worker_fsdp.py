@@ -131,8 +131,8 @@ def job(model_dir, server, tmp_path_factory):
         "HF_HUB_OFFLINE": "1",
     }
     argv = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-port", "0", str(script), str(model_dir), str(out),
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc-per-node", "2", str(script), str(model_dir), str(out),
     ]  # fmt: skip
     proc = subprocess.Popen(
         argv,
@@ -149,7 +149,8 @@ def job(model_dir, server, tmp_path_factory):
         except subprocess.TimeoutExpired:
             tree = psutil.Process(proc.pid).children(recursive=True)
             _kill_tree(proc, tree)
-            pytest.fail("torchrun job did not finish in 180 s")
+            output, _ = proc.communicate()
+            pytest.fail(f"torchrun job did not finish in 180 s:\n{output[-3000:]}")
         assert proc.returncode == 0, output
         ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
         yield {"ranks": ranks, "out": out, "output": output}

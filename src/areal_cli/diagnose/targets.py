@@ -203,13 +203,15 @@ def _discover() -> list[Job]:
             found.append(Job(label=launcher_label(p), ranks=_number(ranks), launcher_pid=p.pid))
             claimed.update(r.pid for r in ranks)
     orphans: dict[tuple, list[RankProc]] = {}
+    python_pids = {q.pid for q in pythons}
     for p in pythons:
         if p.pid in claimed or any(a.pid in launcher_pids for a in _parents(p.pid)):
             continue
         r = _rank_proc(p)
         if r is None or "TORCHELASTIC_RUN_ID" not in r.env or r.rank is None:
             continue
-        if any(a.pid in {q.pid for q in pythons} and _has_rank(a) for a in _parents(p.pid)):
+        if any(a.pid in python_pids and _has_rank(a) for a in _parents(p.pid)):
+            # A DataLoader worker of an orphaned rank: its parent is the rank.
             continue
         orphans.setdefault(r.job_key(), []).append(r)
     for key, ranks in orphans.items():
