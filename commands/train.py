@@ -163,9 +163,11 @@ def register(app: typer.Typer) -> None:
         env: dict[str, str] = {}
         preset = pick(debug_preset, cfg, "debug_preset", None)
         if preset:
-            from areal_cli.diagnose.presets import preset_env
+            from areal_cli.diagnose.presets import prepare_paths, preset_env
 
             env.update(preset_env(preset))
+            if not dry_run:
+                prepare_paths(env)  # NCCL and the flight recorder write there, never mkdir
         trainer = TrainerRole(
             script=script,
             script_args=tuple(script_args),

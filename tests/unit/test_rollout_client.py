@@ -347,6 +347,29 @@ def test_5xx_moves_requests_to_a_healthy_server():
     run(main())
 
 
+def test_500_is_retried_elsewhere_but_keeps_the_server_in_rotation():
+    async def main():
+        flaky, good = Stub(), Stub()
+        flaky.status = 500
+        addrs = await _started(flaky, good)
+        try:
+            async with RolloutClient(addrs, retries=1) as client:
+                c = await client.generate([1], max_new_tokens=1)
+                live = client.live_servers()
+                # With nowhere else to go, the request fails with the server's answer.
+                good.status = 500
+                with pytest.raises(RolloutError) as info:
+                    await client.generate([1], max_new_tokens=1)
+        finally:
+            await _stopped(flaky, good)
+        assert c.output_ids == [2]
+        assert live == addrs
+        assert "failed after 2 attempts" in info.value.message
+        assert "HTTP 500" in info.value.message
+
+    run(main())
+
+
 def test_all_servers_dead_is_a_clear_error():
     async def main():
         a, b = Stub(), Stub()

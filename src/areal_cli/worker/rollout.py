@@ -64,7 +64,16 @@ class _Server:
 
 
 class _Retryable(Exception):
-    """A failure that another server (or the same one later) may not have."""
+    """A failure that another server (or the same one later) may not have.
+
+    `cooldown`: the server itself is in trouble (unreachable, reset, timed out, 502-504),
+    so it is skipped for a while. A plain 500 or a 429 may be about this one request or
+    this one moment; the request moves on but the server stays in rotation.
+    """
+
+    def __init__(self, message: str, cooldown: bool = True):
+        super().__init__(message)
+        self.cooldown = cooldown
 
 
 def _normalise_addr(addr: str) -> str:
@@ -73,6 +82,27 @@ def _normalise_addr(addr: str) -> str:
         if addr.startswith(prefix):
             addr = addr[len(prefix) :]
     return addr
+
+
+def _sampling(
+    max_new_tokens: int = 128,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    stop_token_ids: Sequence[int] | None = None,
+    ignore_eos: bool = False,
+) -> dict[str, Any]:
+    """SGLang-style sampling params (vLLM's request is built from the same dict)."""
+    params: dict[str, Any] = {
+        "max_new_tokens": int(max_new_tokens),
+        "temperature": float(temperature),
+        "top_p": float(top_p),
+        "top_k": int(top_k),
+        "stop_token_ids": [int(t) for t in stop_token_ids or ()],
+    }
+    if ignore_eos:
+        params["ignore_eos"] = True
+    return params
 
 
 def _version_str(value: Any) -> str | None:
@@ -128,6 +158,8 @@ class RolloutClient:
         # Breaks ties between equally loaded servers, so an idle pool fills evenly.
         self._rr = itertools.count()
         self._session = None
+        self._aiohttp: Any = None  # imported with the first session, not at module import
+        self._timeout: Any = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
         self._sem: asyncio.Semaphore | None = None
         self._own_loop: asyncio.AbstractEventLoop | None = None
@@ -147,8 +179,6 @@ class RolloutClient:
         return [s.addr for s in self._servers if s.live(now)]
 
     def _ensure_session(self):
-        import aiohttp
-
         loop = asyncio.get_running_loop()
         if self._session is not None and self._session_loop is not loop:
             raise UsageError(
@@ -157,6 +187,10 @@ class RolloutClient:
                 "or create one client per event loop",
             )
         if self._session is None:
+            import aiohttp
+
+            self._aiohttp = aiohttp
+            self._timeout = aiohttp.ClientTimeout(total=self.timeout)
             connector = aiohttp.TCPConnector(
                 limit=self.max_concurrency + 8, limit_per_host=0, ttl_dns_cache=300
             )
@@ -207,14 +241,21 @@ class RolloutClient:
     # ------------------------------------------------------------------ choosing servers
 
     def _pick(self, tried: set[str]) -> _Server | None:
+        """The live server with the fewest requests in flight, preferring untried ones."""
         now = time.monotonic()
-        live = [s for s in self._servers if s.live(now)]
-        fresh = [s for s in live if s.addr not in tried] or live
-        if not fresh:
+        best: list[_Server] = []
+        best_key: tuple[bool, int] | None = None
+        for s in self._servers:  # one pass: this runs once per request
+            if not s.live(now):
+                continue
+            key = (s.addr in tried, s.in_flight)
+            if best_key is None or key < best_key:
+                best, best_key = [s], key
+            elif key == best_key:
+                best.append(s)
+        if not best:
             return None
-        least = min(s.in_flight for s in fresh)
-        ties = [s for s in fresh if s.in_flight == least]
-        return ties[next(self._rr) % len(ties)]
+        return best[0] if len(best) == 1 else best[next(self._rr) % len(best)]
 
     def _soonest_back(self) -> _Server | None:
         candidates = [s for s in self._servers if not s.stale]
@@ -245,20 +286,19 @@ class RolloutClient:
         payload: dict | None = None,
         timeout: float | None = None,
     ) -> Any:
-        import aiohttp
-
+        aiohttp = self._aiohttp
         session = self._ensure_session()
-        url = f"http://{server.addr}{path}"
+        client_timeout = self._timeout if timeout is None else aiohttp.ClientTimeout(total=timeout)
         try:
             async with session.request(
-                method,
-                url,
-                json=payload,
-                timeout=aiohttp.ClientTimeout(total=timeout or self.timeout),
+                method, f"http://{server.addr}{path}", json=payload, timeout=client_timeout
             ) as resp:
                 if resp.status >= 500 or resp.status == 429:
                     body = (await resp.text())[:300]
-                    raise _Retryable(f"HTTP {resp.status} from {path}: {body}")
+                    raise _Retryable(
+                        f"HTTP {resp.status} from {path}: {body}",
+                        cooldown=resp.status not in (500, 429),
+                    )
                 if resp.status >= 400:
                     body = (await resp.text())[:500]
                     hint = (
@@ -273,7 +313,8 @@ class RolloutClient:
                     )
                 return await resp.json(content_type=None)
         except asyncio.TimeoutError as e:
-            raise _Retryable(f"timed out after {timeout or self.timeout:g}s on {path}") from e
+            took = timeout or self.timeout
+            raise _Retryable(f"timed out after {took:g}s on {path}") from e
         except aiohttp.ClientError as e:
             # Connection refused, reset, server disconnected mid-response.
             raise _Retryable(f"{type(e).__name__}: {e}") from e
@@ -292,18 +333,15 @@ class RolloutClient:
         ignore_eos: bool = False,
     ) -> Completion:
         """Sample one continuation of `input_ids`, failing over between servers."""
+        sampling = _sampling(max_new_tokens, temperature, top_p, top_k, stop_token_ids, ignore_eos)
+        return await self._generate(input_ids, sampling)
+
+    async def _generate(self, input_ids: Sequence[int], sampling: dict) -> Completion:
         self._ensure_session()
         assert self._sem is not None
-        sampling = {
-            "max_new_tokens": int(max_new_tokens),
-            "temperature": float(temperature),
-            "top_p": float(top_p),
-            "top_k": int(top_k),
-            "stop_token_ids": [int(t) for t in stop_token_ids or ()],
-        }
-        if ignore_eos:
-            sampling["ignore_eos"] = True
-        prompt = [int(t) for t in input_ids]
+        # Tensors and numpy ints are not JSON: plain ints go on the wire.
+        prompt = list(map(int, input_ids))
+        last: _Retryable | None = None
         async with self._sem:
             tried: set[str] = set()
             for attempt in range(self.retries + 1):
@@ -324,9 +362,18 @@ class RolloutClient:
                         return await self._generate_vllm(server, prompt, sampling)
                     return await self._generate_sglang(server, prompt, sampling)
                 except _Retryable as e:
-                    self._mark_down(server, str(e))
+                    last = e
+                    if e.cooldown:
+                        self._mark_down(server, str(e))
+                    else:
+                        server.last_error = str(e)
                 finally:
                     server.in_flight -= 1
+        if last is not None and self.live_servers():
+            raise RolloutError(
+                f"generate failed after {self.retries + 1} attempts: {last}",
+                hint="see the servers' logs (`areal logs`); raise retries= to try harder",
+            )
         raise self._no_server_error("generate")
 
     async def _generate_sglang(self, server: _Server, prompt: list[int], sampling: dict):
@@ -342,8 +389,10 @@ class RolloutClient:
         token_logprobs = meta.get("output_token_logprobs") or []
         output_ids = data.get("output_ids")
         if output_ids is None:
-            output_ids = [int(entry[1]) for entry in token_logprobs]
-        logprobs = [float(entry[0]) if entry[0] is not None else 0.0 for entry in token_logprobs]
+            output_ids = [entry[1] for entry in token_logprobs]
+        logprobs = [entry[0] for entry in token_logprobs]
+        if None in logprobs:
+            logprobs = [0.0 if lp is None else lp for lp in logprobs]
         # Some versions return prompt+output in output_ids; the logprobs are output only.
         if len(output_ids) > len(logprobs) and token_logprobs:
             output_ids = output_ids[-len(logprobs) :]
@@ -352,7 +401,7 @@ class RolloutClient:
             reason = reason.get("type")
         version = meta.get("weight_version", server.weight_version)
         return Completion(
-            output_ids=[int(t) for t in output_ids],
+            output_ids=output_ids,
             logprobs=logprobs,
             finish_reason=str(reason or "unknown"),
             weight_version=_version_str(version),
@@ -411,8 +460,9 @@ class RolloutClient:
         cancels the rest and is raised.
         """
         self._ensure_session()
+        params = _sampling(**sampling)
         tasks = [
-            asyncio.ensure_future(self.generate(p, **sampling)) for p in prompts for _ in range(n)
+            asyncio.ensure_future(self._generate(p, params)) for p in prompts for _ in range(n)
         ]
         if not tasks:
             return []
@@ -439,7 +489,7 @@ class RolloutClient:
         results = await asyncio.gather(*(call(s) for s in targets), return_exceptions=True)
         out: dict[str, Any] = {}
         for server, result in zip(targets, results, strict=True):
-            if isinstance(result, _Retryable):
+            if isinstance(result, _Retryable) and result.cooldown:
                 self._mark_down(server, str(result))
             elif isinstance(result, BaseException):
                 server.last_error = str(result)
