@@ -297,6 +297,8 @@ class Report:
         from rich.console import Console
 
         self.console = Console(highlight=False)
+        if self.console.width < 100:  # logs are not terminals: rich would assume 80 columns
+            self.console = Console(highlight=False, width=100)
         self.path = log_dir / "metrics.jsonl"
         self.rows = 0
 
@@ -307,7 +309,9 @@ class Report:
             f.write(json.dumps(metrics) + "\n")
         table = Table(show_header=self.rows == 0, box=None, pad_edge=False)
         for name, _, width in self.COLUMNS:
-            table.add_column(name, justify="right", width=width, header_style="bold cyan")
+            table.add_column(
+                name, justify="right", width=max(width, len(name)), header_style="bold cyan"
+            )
         table.add_row(*(fmt.format(metrics[name]) for name, fmt, _ in self.COLUMNS))
         self.console.print(table)
         self.rows += 1
@@ -389,6 +393,10 @@ def main(argv: list[str]) -> None:
         ]
 
         # 3. one clipped policy-gradient step (FSDP averages gradients over ranks)
+        if not samples:  # nothing generated at all: keep every rank in the collectives
+            samples = [
+                {"prompt": prompts[0][0], "output": [pad_id], "logprobs": [0.0], "advantage": 0.0}
+            ]
         model.train()
         stats = grpo_step(model, optimizer, build_batch(samples, pad_id), cfg, ctx.device)
         t_train = time.perf_counter()

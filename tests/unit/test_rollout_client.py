@@ -24,6 +24,7 @@ class Stub:
         self.delay = delay
         self.api_key = api_key
         self.status: int | None = None  # force this HTTP status on /generate
+        self.fail_update = False
         self.requests = 0
         self.active = 0
         self.max_active = 0
@@ -43,6 +44,7 @@ class Stub:
             app.router.add_post("/continue_generation", self._control)
             app.router.add_post("/update_weights_from_disk", self._update)
             app.router.add_get("/get_weight_version", self._version)
+            app.router.add_get("/get_model_info", self._model_info)
         else:
             app.router.add_get("/v1/models", self._models)
             app.router.add_post("/v1/completions", self._completions)
@@ -105,7 +107,12 @@ class Stub:
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
         self._check_auth(request)
-        return web.json_response({"object": "list", "data": [{"id": "stub-model"}]})
+        model = {"id": "stub-model", "root": "/models/stub"}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def _model_info(self, request: web.Request) -> web.StreamResponse:
+        self._check_auth(request)
+        return web.json_response({"model_path": "/models/stub", "is_generation": True})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._serve(request)
@@ -142,6 +149,8 @@ class Stub:
         self._check_auth(request)
         body = await request.json()
         self.calls.append(request.path)
+        if self.fail_update:
+            return web.json_response({"success": False, "message": "no such file"}, status=400)
         self.loaded_path = body["model_path"]
         self.version = body.get("weight_version", str(int(self.version) + 1))
         return web.json_response({"success": True, "message": "ok"})
@@ -417,6 +426,28 @@ def test_pause_update_resume_and_versions():
     run(main())
 
 
+def test_a_server_that_missed_an_update_leaves_rotation_until_the_next():
+    async def main():
+        a, b = Stub(), Stub()
+        b.fail_update = True
+        addrs = await _started(a, b)
+        try:
+            async with RolloutClient(addrs) as client:
+                version = await client.update_weights_from_disk("/ckpt/2", version=2)
+                stale_out = client.live_servers()
+                served = {c.server for g in await client.generate_batch([[1]] * 6) for c in g}
+                b.fail_update = False
+                await client.update_weights_from_disk("/ckpt/3", version=3)
+                back = client.live_servers()
+        finally:
+            await _stopped(a, b)
+        assert version == "2"
+        assert stale_out == [addrs[0]] and served == {addrs[0]}
+        assert back == addrs
+
+    run(main())
+
+
 def test_sync_run_keeps_one_session_across_calls():
     stub = Stub()
     loop = asyncio.new_event_loop()
@@ -438,6 +469,24 @@ def test_sync_run_keeps_one_session_across_calls():
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=5)
         loop.close()
+
+
+def test_model_info_names_the_served_checkpoint_on_both_protocols():
+    # No `async with`: the first call of a fresh client opens the session itself.
+    async def main():
+        sglang, vllm = Stub("sglang"), Stub("vllm")
+        addrs = await _started(sglang, vllm)
+        try:
+            a = RolloutClient([addrs[0]], backend="hf")
+            b = RolloutClient([addrs[1]], backend="vllm")
+            infos = [await a.model_info(), await b.model_info()]
+            await a.close()
+            await b.close()
+        finally:
+            await _stopped(sglang, vllm)
+        assert [i["model_path"] for i in infos] == ["/models/stub", "/models/stub"]
+
+    run(main())
 
 
 def test_bad_construction_is_a_usage_error():

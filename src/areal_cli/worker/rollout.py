@@ -35,7 +35,7 @@ class RolloutError(LaunchError):
     """Generation or a weight update could not be served by any inference server."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Completion:
     """One sampled continuation: tokens, the behaviour policy's logprobs, and provenance."""
 
@@ -246,7 +246,7 @@ class RolloutClient:
         best: list[_Server] = []
         best_key: tuple[bool, int] | None = None
         for s in self._servers:  # one pass: this runs once per request
-            if not s.live(now):
+            if s.stale or s.down_until > now:
                 continue
             key = (s.addr in tried, s.in_flight)
             if best_key is None or key < best_key:
@@ -286,8 +286,8 @@ class RolloutClient:
         payload: dict | None = None,
         timeout: float | None = None,
     ) -> Any:
+        session = self._session or self._ensure_session()
         aiohttp = self._aiohttp
-        session = self._ensure_session()
         client_timeout = self._timeout if timeout is None else aiohttp.ClientTimeout(total=timeout)
         try:
             async with session.request(
@@ -359,8 +359,22 @@ class RolloutClient:
                 server.in_flight += 1
                 try:
                     if self.backend == "vllm":
-                        return await self._generate_vllm(server, prompt, sampling)
-                    return await self._generate_sglang(server, prompt, sampling)
+                        if server.model_name is None:
+                            await self._vllm_model(server)
+                        data = await self._request(
+                            server,
+                            "POST",
+                            "/v1/completions",
+                            self._vllm_payload(server, prompt, sampling),
+                        )
+                        return self._vllm_completion(server, data)
+                    data = await self._request(
+                        server,
+                        "POST",
+                        "/generate",
+                        {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True},
+                    )
+                    return self._sglang_completion(server, data)
                 except _Retryable as e:
                     last = e
                     if e.cooldown:
@@ -376,13 +390,9 @@ class RolloutClient:
             )
         raise self._no_server_error("generate")
 
-    async def _generate_sglang(self, server: _Server, prompt: list[int], sampling: dict):
-        data = await self._request(
-            server,
-            "POST",
-            "/generate",
-            {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True},
-        )
+    # Parsing and payloads are plain functions, not coroutines: every await layer on the
+    # per-request path costs a frame resumption per I/O event.
+    def _sglang_completion(self, server: _Server, data: Any) -> Completion:
         if isinstance(data, list):  # batched form of the same endpoint
             data = data[0]
         meta = data.get("meta_info") or {}
@@ -404,7 +414,7 @@ class RolloutClient:
             output_ids=output_ids,
             logprobs=logprobs,
             finish_reason=str(reason or "unknown"),
-            weight_version=_version_str(version),
+            weight_version=None if version is None else str(version),
             server=server.addr,
             text=data.get("text"),
         )
@@ -418,9 +428,9 @@ class RolloutClient:
             server.model_name = str(models[0]["id"])
         return server.model_name
 
-    async def _generate_vllm(self, server: _Server, prompt: list[int], sampling: dict):
+    def _vllm_payload(self, server: _Server, prompt: list[int], sampling: dict) -> dict:
         payload = {
-            "model": await self._vllm_model(server),
+            "model": server.model_name,
             "prompt": prompt,
             "max_tokens": sampling["max_new_tokens"],
             "temperature": sampling["temperature"],
@@ -433,7 +443,9 @@ class RolloutClient:
         }
         if sampling.get("ignore_eos"):
             payload["ignore_eos"] = True
-        data = await self._request(server, "POST", "/v1/completions", payload)
+        return payload
+
+    def _vllm_completion(self, server: _Server, data: Any) -> Completion:
         choice = data["choices"][0]
         lp = choice.get("logprobs") or {}
         tokens = lp.get("tokens") or []

@@ -7,6 +7,8 @@ servers hold the new weights.
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 import shutil
 import time
@@ -98,14 +100,12 @@ def save_hf_checkpoint(
     config and any other non-weight files are copied over. `dtype` casts floating weights
     (e.g. torch.bfloat16 for serving).
     """
-    import json
-
     from safetensors.torch import save_file
 
     target = Path(path).expanduser().resolve()
     state = full_state_dict(model)
     if _rank() == 0:
-        config = getattr(model, "config", None)
+        config = copy.deepcopy(getattr(model, "config", None))
         if config is None:
             raise UsageError(
                 f"{type(model).__name__} has no .config; save_hf_checkpoint needs a "
@@ -128,7 +128,7 @@ def save_hf_checkpoint(
             if dtype is not None:
                 config.dtype = dtype
             config.save_pretrained(staging)
-            _write_safetensors(tensors, staging, max_shard_bytes, save_file, json)
+            _write_safetensors(tensors, staging, max_shard_bytes, save_file)
             if tokenizer_from is not None:
                 _copy_support_files(Path(tokenizer_from).expanduser(), staging)
             _replace_dir(staging, target)
@@ -139,7 +139,7 @@ def save_hf_checkpoint(
     return target
 
 
-def _write_safetensors(tensors, out: Path, max_shard_bytes: int, save_file, json) -> None:
+def _write_safetensors(tensors, out: Path, max_shard_bytes: int, save_file) -> None:
     shards: list[dict[str, Any]] = [{}]
     size = 0
     for name, t in tensors.items():
