@@ -69,7 +69,9 @@ def register(app: typer.Typer) -> None:
         experiment: str = ExperimentOpt,
         trial: str = TrialOpt,
         servers: str = typer.Option(
-            None, "--servers", help="auto (registry) | host:port,... [default auto]."
+            None,
+            "--servers",
+            help="auto (registry) | host:port,... | none (no servers) [default auto].",
         ),
         min_servers: int = typer.Option(
             None,
@@ -201,7 +203,9 @@ def register(app: typer.Typer) -> None:
             )  # fmt: skip
         else:
             servers = str(pick(servers, cfg, "servers", "auto"))
-            if servers != "auto":
+            if servers == "none":
+                found = discovery.Found([], "", None, [])
+            elif servers != "auto":
                 found = discovery.explicit(
                     discovery.parse_addrs(servers), None, _key(api_key_flag=None)
                 )
@@ -226,9 +230,11 @@ def register(app: typer.Typer) -> None:
                         if not dry_run:
                             raise
                         found = discovery.Found([], "sglang", None, [])
-            console.err.print(
-                f"[green]servers[/] {len(found.addrs)} {found.backend}: {', '.join(found.addrs) or '(none yet)'}"
-            )
+            if servers != "none":
+                console.err.print(
+                    f"[green]servers[/] {len(found.addrs)} {found.backend}: "
+                    f"{', '.join(found.addrs) or '(none yet)'}"
+                )
         spec = JobSpec(
             experiment=experiment,
             trial=trial,

@@ -108,7 +108,8 @@ def _plan_servers(p, role: ServerRole, inventory, free, held, log_dir, check_pac
     if on_gpu and need > len(free):
         raise UsageError(
             f"the plan needs {need} GPUs ({role.replicas} replicas x {role.gpus_per_replica}), "
-            f"but only {len(free)} are free ({_source(inventory)}: {inventory.ids})" + _held_text(held),
+            f"but only {len(free)} are free ({_source(inventory)}: {inventory.ids})"
+            + _held_text(held),
             hint="lower d/t, or pass --gpus with more devices",
         )
     if check_packages:

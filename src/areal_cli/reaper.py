@@ -1,11 +1,13 @@
 """Watchdog started beside every supervisor: when the supervisor dies without tearing down
 (SIGKILL, OOM killer), it kills everything the job started and cleans the registry.
 
-    python -m areal_cli.reaper --parent PID --parent-create-time T --marker M \
-        --home H --experiment E --trial T --registry R
+    python -m areal_cli.reaper --parent PID --marker M --home H --experiment E --trial T \
+        --registry R
 
 It runs in a session of its own and does not carry the job marker, so it survives the
 supervisor and never kills itself. A SIGTERM (normal teardown) makes it exit quietly.
+While it waits it imports nothing beyond the standard library: it starts beside every job
+and must not compete with the job's own start-up for CPU.
 """
 
 from __future__ import annotations
@@ -17,11 +19,22 @@ import sys
 import time
 from pathlib import Path
 
-from areal_cli import jobs, procs
-from areal_cli.registry import FileRegistry
+
+def _stat(pid: int) -> tuple[str, str] | None:
+    """(state, start time) from /proc/PID/stat, or None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    fields = raw[raw.rfind(")") + 2 :].split()
+    return fields[0], fields[19]
 
 
 def cleanup(marker: str, home: Path, experiment: str, trial: str, registry_root: Path) -> None:
+    from areal_cli import jobs, procs
+    from areal_cli.registry import FileRegistry
+
     procs.kill_job(marker, grace=3.0)
     reg = FileRegistry(registry_root)
     for e in reg.list(experiment, trial, include_dead=True).servers:
@@ -41,7 +54,6 @@ def cleanup(marker: str, home: Path, experiment: str, trial: str, registry_root:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m areal_cli.reaper")
     ap.add_argument("--parent", type=int, required=True)
-    ap.add_argument("--parent-create-time", type=float, default=None)
     ap.add_argument("--marker", required=True)
     ap.add_argument("--home", required=True)
     ap.add_argument("--experiment", required=True)
@@ -50,7 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    while procs.pid_alive(args.parent, args.parent_create_time):
+    first = _stat(args.parent)
+    while first is not None:
+        now = _stat(args.parent)
+        # Gone, a zombie, or a new process that reused the pid: the supervisor is dead.
+        if now is None or now[0] in ("Z", "X") or now[1] != first[1]:
+            break
         time.sleep(0.2)
     cleanup(args.marker, Path(args.home), args.experiment, args.trial, Path(args.registry))
     return 0

@@ -42,7 +42,13 @@ LineFn = Callable[[str, str], None]
 class _Proc:
     """One launched process with its log pump."""
 
-    def __init__(self, plan: ProcessPlan, popen: subprocess.Popen, on_line: LineFn | None):
+    def __init__(
+        self,
+        plan: ProcessPlan,
+        popen: subprocess.Popen,
+        on_line: LineFn | None,
+        changed: threading.Event,
+    ):
         self.plan = plan
         self.popen = popen
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
@@ -54,6 +60,13 @@ class _Proc:
         self._files: dict[str, object] = {}
         self.pump = threading.Thread(target=self._pump, name=f"log-{plan.label}", daemon=True)
         self.pump.start()
+        # Wakes the supervisor the moment this process exits: no polling interval to wait out.
+        self._changed = changed
+        threading.Thread(target=self._wait, name=f"wait-{plan.label}", daemon=True).start()
+
+    def _wait(self) -> None:
+        self.popen.wait()
+        self._changed.set()
 
     @property
     def label(self) -> str:
@@ -149,6 +162,7 @@ class Supervisor:
         self.registry = FileRegistry(plan.registry)
         self.procs: list[_Proc] = []
         self.stop_requested = threading.Event()
+        self.changed = threading.Event()  # a process exited, or a stop was requested
         self.stop_reason: str | None = None
         self._reaper: subprocess.Popen | None = None
         self.record: jobs.JobRecord | None = None
@@ -158,6 +172,7 @@ class Supervisor:
     def request_stop(self, reason: str = "interrupted") -> None:
         self.stop_reason = reason
         self.stop_requested.set()
+        self.changed.set()
 
     def run(self) -> int:
         """Run the job to its end. Returns the exit code; raises for the first failure."""
@@ -218,7 +233,7 @@ class Supervisor:
             raise LaunchError(
                 f"{p.label} could not start: {e}", hint=f"argv: {' '.join(p.argv)}"
             ) from None
-        proc = _Proc(p, popen, self.on_line)
+        proc = _Proc(p, popen, self.on_line, self.changed)
         self.procs.append(proc)
         self.record.processes.append(
             jobs.ProcessRecord(
@@ -321,7 +336,8 @@ class Supervisor:
                             self.registry.heartbeat(proc.registered)
                         except OSError:
                             pass
-            self.stop_requested.wait(0.1)
+            self.changed.wait(max(0.0, HEARTBEAT_EVERY - (time.monotonic() - last_beat)))
+            self.changed.clear()
         return EXIT_INTERRUPTED if self.stop_reason == "interrupted" else 0
 
     # -- registry, records, teardown -------------------------------------------------------
@@ -411,7 +427,6 @@ class Supervisor:
         me = os.getpid()
         env = {k: v for k, v in os.environ.items() if k != procs.MARKER_ENV}
         argv = [sys.executable, "-m", "areal_cli.reaper", "--parent", str(me)]
-        argv += ["--parent-create-time", str(procs.create_time(me))]
         argv += ["--marker", self.plan.marker, "--home", str(self.home)]
         argv += ["--experiment", self.plan.experiment, "--trial", self.plan.trial]
         argv += ["--registry", self.plan.registry]
@@ -467,7 +482,9 @@ def _root_cause(proc: _Proc) -> tuple[int | None, int | None]:
     if m:
         code = re.search(r"exitcode\s*:\s*(-?\d+)", text[head + m.end() :])
         return int(m.group(1)), (int(code.group(1)) if code else None)
-    failing = [r for r, t in proc.rank_tails.items() if any("Error" in x or "Traceback" in x for x in t)]
+    failing = [
+        r for r, t in proc.rank_tails.items() if any("Error" in x or "Traceback" in x for x in t)
+    ]
     return (min(failing) if failing else None), None
 
 

@@ -300,6 +300,8 @@ class Report:
         if self.console.width < 100:  # logs are not terminals: rich would assume 80 columns
             self.console = Console(highlight=False, width=100)
         self.path = log_dir / "metrics.jsonl"
+        # A restarted run in the same trial starts a fresh curve.
+        self.path.write_text("")
         self.rows = 0
 
     def row(self, metrics: dict[str, Any]) -> None:

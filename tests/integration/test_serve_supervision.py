@@ -136,8 +136,10 @@ def test_lost_replica_is_deregistered_and_others_keep_serving(model, areal_env, 
     )
     try:
         victim = out["servers"][0]
-        psutil.Process(victim["pid"]).kill()
-        # Readers never get the dead server, even before the supervisor notices.
+        p = psutil.Process(victim["pid"])
+        p.kill()
+        _wait(lambda: not p.is_running() or p.status() == psutil.STATUS_ZOMBIE, 5)
+        # Readers never get the dead server, even before the supervisor deregisters it.
         assert victim["addr"] not in [e.addr for e in _entries(reg)]
         assert _wait(lambda: len(_entries(reg)) == 1, 5)
         job = json.loads(areal("ps", "--json", check=0).stdout)[0]
