@@ -110,7 +110,8 @@ def render_plan(plan, console) -> None:
     for p in plan.to_json()["processes"]:
         addr = f"  http://{p['host']}:{p['port']}" if p.get("port") else ""
         gpus_ = ",".join(map(str, p["gpus"])) or "cpu"
-        console.print(f"[bold cyan]{p['role']}-{p['index']}[/]{addr}  GPUs {gpus_}")
+        label = "torchrun" if p["role"] == "trainer" else f"{p['role']}-{p['index']}"
+        console.print(f"[bold cyan]{label}[/]{addr}  GPUs {gpus_}")
         console.print(f"  argv  {escape(shlex.join(p['argv']))}")
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(p["env"].items()))
         console.print(f"  env   {escape(env)}")

@@ -191,6 +191,9 @@ def stop(
         )
         if not records:
             jobs.load(home_dir, exp, trial)  # raises the "no job" error with its hint
+        live = [r for r in records if r.alive() and r.state in jobs.LIVE]
+        # Nothing runs: still sweep the newest job's leftovers (processes, registry entries).
+        records = live or records[:1]
     results = []
     for rec in records:
         with console.err.status(f"stopping {rec.name} ..."):

@@ -166,7 +166,7 @@ def register(app: typer.Typer) -> None:
             health_timeout=float(pick(health_timeout, cfg, "health_timeout", 600.0)),
         )
         home_dir, reg_root = settings.home(home), settings.registry_root(registry)
-        plan = planner.plan(spec, home_dir, reg_root, check_packages=True)
+        plan = planner.plan(spec, home_dir, reg_root, check_packages=not dry_run)
         if dry_run:
             if json_out:
                 console.print_json(plan.to_json())

@@ -329,7 +329,9 @@ def main(argv: list[str]) -> None:
     client = ctx.rollout_client(max_concurrency=cfg.max_concurrency, timeout=cfg.request_timeout)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # per-rank logs are files, not terminals
     model_path = cfg.model_path or client.run(client.model_info())["model_path"]
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     task = TASKS[cfg.task](cfg, tokenizer)
