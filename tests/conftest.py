@@ -87,3 +87,20 @@ def pytest_sessionfinish(session, exitstatus):
             except psutil.Error:
                 pass
         session.exitstatus = 1
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need CUDA; torch is imported only when such a test was collected."""
+    gpu_items = [i for i in items if i.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:
+        has_cuda = False
+    if not has_cuda:
+        skip = pytest.mark.skip(reason="needs CUDA")
+        for item in gpu_items:
+            item.add_marker(skip)

@@ -234,3 +234,20 @@ def test_api_key_auto_beyond_loopback(model, areal_env):
 def test_fake_script_python_is_used(model):
     plan = json.loads(areal(*fake_serve_args(model, "--dry-run", "--json"), check=0).stdout)
     assert plan["processes"][0]["argv"][0] == FAKE_PYTHON
+
+
+def test_shipped_job_files_plan(model):
+    from tests.helpers import REPO
+
+    plan = json.loads(
+        areal("serve", "--config", str(REPO / "templates/serve.yaml"), "--model", str(model),
+              "--dry-run", "--json", env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, check=0).stdout
+    )  # fmt: skip
+    assert [p["gpus"] for p in plan["processes"]] == [[0], [1], [2], [3]]
+    assert plan["processes"][0]["argv"][-2:] == ["--context-length", "8192"]
+    plan = json.loads(
+        areal("train", "--config", str(REPO / "templates/train.yaml"), "--dry-run", "--json",
+              str(REPO / "templates/grpo/train.py"), env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"},
+              check=0).stdout
+    )  # fmt: skip
+    assert plan["experiment"] == "grpo" and plan["processes"][0]["gpus"] == [0, 1, 2, 3]
