@@ -1,6 +1,6 @@
 """Print the reward curve of a GRPO run from its metrics.jsonl (one JSON line per step).
 
-    python templates/grpo/plot.py $AREAL_HOME/logs/$USER/EXP/TRIAL/metrics.jsonl
+python templates/grpo/plot.py $AREAL_HOME/logs/$USER/EXP/TRIAL/metrics.jsonl
 """
 
 import json
