@@ -118,6 +118,40 @@ def render_plan(plan, console) -> None:
         console.print(f"  log   {p['log_path']}")
 
 
+def run_foreground(plan, home_dir, json_out: bool = False) -> None:
+    """Supervise `plan` in this process: prefixed logs and events on stderr, Ctrl-C tears
+    down. Exits with the job's code."""
+    from areal_cli import console
+    from areal_cli.supervisor import Supervisor
+
+    err = console.err
+    name = f"{plan.experiment}/{plan.trial}"
+
+    def on_event(kind: str, info: dict) -> None:
+        if kind == "healthy":
+            err.print(f"[green]healthy[/] {info['label']} at http://{info['addr']}")
+        elif kind == "ready" and not plan.trainers:
+            n = len(info["servers"])
+            err.print(f"[bold green]ready[/] {name}: {n} server(s) registered; Ctrl-C stops them")
+            if json_out:
+                console.print_json({"experiment": plan.experiment, "trial": plan.trial,
+                                    "servers": info["servers"]})  # fmt: skip
+        elif kind == "spawned" and info["label"] == "torchrun":
+            err.print(f"[green]started[/] torchrun (pid {info['pid']})")
+        elif kind == "server_lost":
+            err.print(f"[red]lost[/] {info['label']} ({info['why']}); deregistered")
+        elif kind == "trainer_exit":
+            color = "green" if info["code"] == 0 else "red"
+            err.print(f"[{color}]training finished[/] with exit code {info['code']}")
+        elif kind == "stopping":
+            why = "" if info["state"] == "stopped" else f" ({info['state']})"
+            err.print(f"[yellow]stopping[/] {name}{why}")
+
+    sup = Supervisor(plan, home_dir, on_event=on_event, on_line=LinePrinter(err))
+    forward_signals(sup)
+    raise typer.Exit(sup.run())
+
+
 def forward_signals(supervisor) -> None:
     """Ctrl-C and SIGTERM ask the supervisor to tear down; a second Ctrl-C does too."""
 

@@ -13,15 +13,14 @@ from ._common import (
     ExperimentOpt,
     HomeOpt,
     JsonOpt,
-    LinePrinter,
     RegistryOpt,
     TrialOpt,
     check_name,
-    forward_signals,
     load_config,
     pick,
     python_default,
     render_plan,
+    run_foreground,
 )
 
 CONFIG_KEYS = {
@@ -176,7 +175,7 @@ def register(app: typer.Typer) -> None:
         if detach:
             _run_detached(plan, home_dir, json_out)
         else:
-            _run_foreground(plan, home_dir, json_out)
+            run_foreground(plan, home_dir, json_out)
 
 
 def _given(value: str, default: str) -> str | None:
@@ -226,30 +225,3 @@ def _run_detached(plan, home_dir, json_out: bool) -> None:
             f"  http://{s['addr']}  pid {s['pid']}  gpus {s['gpus'] or 'cpu'}  log {s['log']}"
         )
     console.out.print(f"stop with: areal stop {rec.name}")
-
-
-def _run_foreground(plan, home_dir, json_out: bool) -> None:
-    from areal_cli.supervisor import Supervisor
-
-    printer = LinePrinter(console.err)
-
-    def on_event(kind: str, info: dict) -> None:
-        if kind == "healthy":
-            console.err.print(f"[green]healthy[/] {info['label']} at http://{info['addr']}")
-        elif kind == "ready":
-            console.err.print(
-                f"[bold green]ready[/] {plan.experiment}/{plan.trial}: {len(info['servers'])} server(s) registered; Ctrl-C stops them"
-            )
-            if json_out:
-                console.print_json(
-                    {"experiment": plan.experiment, "trial": plan.trial, "servers": info["servers"]}
-                )
-        elif kind == "server_lost":
-            console.err.print(f"[red]lost[/] {info['label']} ({info['why']}); deregistered")
-        elif kind == "stopping":
-            console.err.print(f"[yellow]stopping[/] {plan.experiment}/{plan.trial}")
-
-    sup = Supervisor(plan, home_dir, on_event=on_event, on_line=printer)
-    forward_signals(sup)
-    code = sup.run()
-    raise typer.Exit(code)

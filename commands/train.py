@@ -13,15 +13,14 @@ from ._common import (
     ExperimentOpt,
     HomeOpt,
     JsonOpt,
-    LinePrinter,
     RegistryOpt,
     TrialOpt,
     check_name,
-    forward_signals,
     load_config,
     pick,
     python_default,
     render_plan,
+    run_foreground,
 )
 
 CONFIG_KEYS = {
@@ -255,7 +254,7 @@ def register(app: typer.Typer) -> None:
             else:
                 render_plan(plan, console.out)
             return
-        _run(plan, home_dir)
+        run_foreground(plan, home_dir)
 
 
 def _key(api_key_flag):
@@ -269,26 +268,3 @@ def _module_trainer(t):
 
     module = t.script.split(" ", 1)[1]
     return replace(t, script="-m", script_args=(module, *t.script_args))
-
-
-def _run(plan, home_dir) -> None:
-    from areal_cli.supervisor import Supervisor
-
-    printer = LinePrinter(console.err)
-
-    def on_event(kind: str, info: dict) -> None:
-        if kind == "healthy":
-            console.err.print(f"[green]healthy[/] {info['label']} at http://{info['addr']}")
-        elif kind == "spawned" and info["label"].startswith("trainer"):
-            console.err.print(
-                f"[green]started[/] torchrun ({len(plan.trainers)} node-local launcher, pid {info['pid']})"
-            )
-        elif kind == "server_lost":
-            console.err.print(f"[red]lost[/] {info['label']} ({info['why']})")
-        elif kind == "trainer_exit":
-            color = "green" if info["code"] == 0 else "red"
-            console.err.print(f"[{color}]training finished[/] with exit code {info['code']}")
-
-    sup = Supervisor(plan, home_dir, on_event=on_event, on_line=printer)
-    forward_signals(sup)
-    raise typer.Exit(sup.run())

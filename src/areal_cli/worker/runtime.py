@@ -89,6 +89,12 @@ class WorkerContext:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            # Leave together: a rank that tears gloo down while its peer still talks to it
+            # aborts the peer ("terminate called without an active exception").
+            try:
+                dist.barrier()
+            except RuntimeError:
+                pass
             dist.destroy_process_group()
         if _CONTEXT is self:
             _CONTEXT = None
