@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from areal_cli.worker import connect, shard_model, sync_weights
+from areal_cli.worker import close, connect, shard_model, sync_weights
 
 # --------------------------------------------------------------------------- config
 
@@ -449,8 +449,10 @@ def main(argv: list[str]) -> None:
             raise SystemExit(f"error: loss is {stats['loss']} at step {step}")
 
     client.close_sync()
-    ctx.close()
 
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    # Tear the process group down only after main's model and optimizer are freed: objects
+    # that still hold gloo's groups at interpreter exit can abort the process.
+    close()

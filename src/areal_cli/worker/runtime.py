@@ -98,6 +98,9 @@ class WorkerContext:
             dist.destroy_process_group()
         if _CONTEXT is self:
             _CONTEXT = None
+        import gc
+
+        gc.collect()  # free the groups' C++ side now, while the interpreter is whole
 
 
 def _env_int(name: str, default: int) -> int:
