@@ -251,3 +251,13 @@ def test_shipped_job_files_plan(model):
               check=0).stdout
     )  # fmt: skip
     assert plan["experiment"] == "grpo" and plan["processes"][0]["gpus"] == [0, 1, 2, 3]
+
+
+def test_extra_backend_args_pass_through_and_debug_shows_traceback(model, tmp_path):
+    plan = json.loads(
+        areal(*fake_serve_args(model, "--dry-run", "--json", "--", "--max-total-tokens", "64"),
+              check=0).stdout
+    )  # fmt: skip
+    assert plan["processes"][0]["argv"][-2:] == ["--max-total-tokens", "64"]
+    res = areal("--debug", "serve", "--model", str(tmp_path / "nope"), check=2)
+    assert "Traceback" in res.stderr and "does not exist" in res.stderr
