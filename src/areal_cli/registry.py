@@ -145,11 +145,13 @@ class FileRegistry:
     def _read(self, tdir: Path, d: str) -> tuple[ServerEntry | None, str | None]:
         # Plain strings and os calls: this runs once per server on every listing.
         experiment, trial = tdir.parent.name, tdir.name
-        files = _files(d)
-        if files != ["ENTRY"]:
-            return None, "half-written" if any(".tmp" in f for f in files) else "no ENTRY"
         try:
+            # ENTRY is only ever renamed into place, so if it opens it is whole, even with a
+            # writer's temp file beside it.
             addr = _slurp(os.path.join(d, "ENTRY")).decode(errors="replace").strip()
+        except FileNotFoundError:
+            files = _files(d)
+            return None, "half-written" if any(".tmp" in f for f in files) else "no ENTRY"
         except OSError:
             return None, "unreadable ENTRY"
         if not _looks_like_addr(addr):
@@ -211,9 +213,17 @@ def _files(p: str) -> list[str]:
 
 
 def _slurp(path: str) -> bytes:
+    # Entries are a few hundred bytes: a small first read avoids allocating a big buffer
+    # a thousand times per listing.
     fd = os.open(path, os.O_RDONLY)
     try:
-        return os.read(fd, 1 << 20)
+        data = os.read(fd, 4096)
+        while len(data) % 4096 == 0 and data:
+            more = os.read(fd, 65536)
+            if not more:
+                break
+            data += more
+        return data
     finally:
         os.close(fd)
 
