@@ -12,10 +12,14 @@ import typer
 from areal_cli import settings
 from areal_cli.errors import UsageError
 
+# Defaults are applied after the config file is read (flag > config > default), so the
+# options themselves default to None.
 ExperimentOpt = typer.Option(
-    settings.DEFAULT_EXPERIMENT, "--experiment", "-e", help="Experiment name (registry and logs)."
+    None, "--experiment", "-e", help=f"Experiment name [default: {settings.DEFAULT_EXPERIMENT}]."
 )
-TrialOpt = typer.Option(settings.DEFAULT_TRIAL, "--trial", "-t", help="Trial name.")
+TrialOpt = typer.Option(
+    None, "--trial", "-t", help=f"Trial name [default: {settings.DEFAULT_TRIAL}]."
+)
 HomeOpt = typer.Option(
     None, "--home", help="Job records and logs [env AREAL_HOME; default ~/.cache/areal]."
 )
@@ -73,6 +77,15 @@ def load_config(path: Path | None, allowed: set[str]) -> dict[str, Any]:
             )
         out[key] = v
     return out
+
+
+def job_names(experiment, trial, config: dict) -> tuple[str, str]:
+    return (
+        check_name(
+            "experiment", pick(experiment, config, "experiment", settings.DEFAULT_EXPERIMENT)
+        ),
+        check_name("trial", pick(trial, config, "trial", settings.DEFAULT_TRIAL)),
+    )
 
 
 def pick(flag_value, config: dict, key: str, default):

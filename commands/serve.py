@@ -15,7 +15,7 @@ from ._common import (
     JsonOpt,
     RegistryOpt,
     TrialOpt,
-    check_name,
+    job_names,
     load_config,
     pick,
     python_default,
@@ -148,13 +148,7 @@ def register(app: typer.Typer) -> None:
             extra_args=tuple(extra),
             seed=int(pick(seed, cfg, "seed", 1)),
         )
-        experiment = check_name(
-            "experiment",
-            pick(_given(experiment, settings.DEFAULT_EXPERIMENT), cfg, "experiment", experiment),
-        )
-        trial = check_name(
-            "trial", pick(_given(trial, settings.DEFAULT_TRIAL), cfg, "trial", trial)
-        )
+        experiment, trial = job_names(experiment, trial, cfg)
         spec = JobSpec(
             experiment=experiment,
             trial=trial,
@@ -176,11 +170,6 @@ def register(app: typer.Typer) -> None:
             _run_detached(plan, home_dir, json_out)
         else:
             run_foreground(plan, home_dir, json_out)
-
-
-def _given(value: str, default: str) -> str | None:
-    """None when the flag was left at its default, so a config file may set it."""
-    return None if value == default else value
 
 
 def _run_detached(plan, home_dir, json_out: bool) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -15,7 +16,7 @@ from ._common import (
     JsonOpt,
     RegistryOpt,
     TrialOpt,
-    check_name,
+    job_names,
     load_config,
     pick,
     python_default,
@@ -47,7 +48,7 @@ Examples:
 
   areal train --alloc fsdp:d8 --servers 10.0.0.5:30000 --debug-preset nccl train.py
 
-  areal train --alloc fsdp:d4 --areal-overrides -m areal.examples.gsm8k_grpo --config gsm8k.yaml
+  areal train --alloc fsdp:d4 --areal-overrides -- -m areal.examples.gsm8k_grpo --config gsm8k.yaml
 """
 
 
@@ -61,7 +62,9 @@ def register(app: typer.Typer) -> None:
     )
     def train(
         ctx: typer.Context,
-        script: str = typer.Argument(..., help="Training script (or -m module) and its arguments."),
+        script: str = typer.Argument(
+            ..., help="Training script and its arguments; `-- -m pkg.mod ARGS` runs a module."
+        ),
         alloc: str = typer.Option(
             None, "--alloc", "-a", help="e.g. fsdp:d2, fsdp:d2t2, hf:d1+fsdp:d2."
         ),
@@ -98,7 +101,7 @@ def register(app: typer.Typer) -> None:
         debug_preset: str = typer.Option(
             None, "--debug-preset", help="Env preset from `areal doctor env --list`."
         ),
-        model: str = typer.Option(None, "--model", "-m", help="Model for co-launched servers."),
+        model: str = typer.Option(None, "--model", help="Model for co-launched servers."),
         python: str = typer.Option(None, "--python", help="Interpreter for workers and servers."),
         areal_overrides: bool = typer.Option(
             None,
@@ -107,6 +110,12 @@ def register(app: typer.Typer) -> None:
         ),
         health_timeout: float = typer.Option(
             None, "--health-timeout", min=0.1, help="For co-launched servers [default 600]."
+        ),
+        api_key: str = typer.Option(
+            None,
+            "--api-key",
+            help="Co-launched servers: auto | none | KEY [default auto]. With --servers: the "
+            "KEY they need [default env AREAL_API_KEY].",
         ),
         registry: Path = RegistryOpt,
         home: Path = HomeOpt,
@@ -136,9 +145,10 @@ def register(app: typer.Typer) -> None:
         if script == "-m":
             if not script_args:
                 raise UsageError(
-                    "-m needs a module name", hint="areal train --alloc fsdp:d2 -m pkg.train"
+                    "-m needs a module name",
+                    hint="areal train --alloc fsdp:d2 -- -m pkg.train ARGS",
                 )
-            script, script_args = f"-m {script_args[0]}", script_args[1:]
+            # torchrun's own -m: "-m pkg.mod ARGS" stands where the script would.
         elif not Path(script).is_file():
             raise UsageError(
                 f"script {script} does not exist", hint="give the path of a training script"
@@ -147,18 +157,7 @@ def register(app: typer.Typer) -> None:
         world = a.train.world_size
         if world % nnodes:
             raise UsageError(f"{alloc}: world size {world} does not split over {nnodes} nodes")
-        experiment = check_name(
-            "experiment",
-            pick(
-                None if experiment == settings.DEFAULT_EXPERIMENT else experiment,
-                cfg,
-                "experiment",
-                experiment,
-            ),
-        )
-        trial = check_name(
-            "trial", pick(None if trial == settings.DEFAULT_TRIAL else trial, cfg, "trial", trial)
-        )
+        experiment, trial = job_names(experiment, trial, cfg)
         home_dir, reg_root = settings.home(home), settings.registry_root(registry)
         py = pick(python, cfg, "python", None) or python_default()
         env: dict[str, str] = {}
@@ -182,8 +181,6 @@ def register(app: typer.Typer) -> None:
             env=tuple(env.items()),
             areal_overrides=bool(pick(areal_overrides, cfg, "areal_overrides", False)),
         )
-        if script.startswith("-m "):
-            trainer = _module_trainer(trainer)
         server_role, found = None, None
         if a.inference:
             if len(a.inference) != 1:
@@ -206,7 +203,9 @@ def register(app: typer.Typer) -> None:
                 found = discovery.Found([], "", None, [])
             elif servers != "auto":
                 found = discovery.explicit(
-                    discovery.parse_addrs(servers), None, _key(api_key_flag=None)
+                    discovery.parse_addrs(servers),
+                    None,
+                    _explicit_key(pick(api_key, cfg, "api_key", None)),
                 )
             else:
                 wait = 0.0 if dry_run else float(pick(wait_servers, cfg, "wait_servers", 60.0))
@@ -241,7 +240,7 @@ def register(app: typer.Typer) -> None:
             trainer=trainer,
             alloc=alloc,
             gpus_flag=pick(gpus, cfg, "gpus", None),
-            api_key=str(pick(None, cfg, "api_key", "auto")),
+            api_key=str(pick(api_key, cfg, "api_key", "auto")),
             health_timeout=float(pick(health_timeout, cfg, "health_timeout", 600.0)),
             external_servers=tuple(found.addrs) if found else (),
             external_backend=found.backend if found else None,
@@ -257,14 +256,8 @@ def register(app: typer.Typer) -> None:
         run_foreground(plan, home_dir)
 
 
-def _key(api_key_flag):
-    import os
-
-    return os.environ.get("AREAL_API_KEY") or api_key_flag
-
-
-def _module_trainer(t):
-    from dataclasses import replace
-
-    module = t.script.split(" ", 1)[1]
-    return replace(t, script="-m", script_args=(module, *t.script_args))
+def _explicit_key(flag: str | None) -> str | None:
+    """The key for servers given with --servers: the flag's KEY, else AREAL_API_KEY."""
+    if flag and flag not in ("auto", "none"):
+        return flag
+    return None if flag == "none" else (os.environ.get("AREAL_API_KEY") or None)

@@ -157,3 +157,10 @@ def test_dry_run_prints_torchrun_and_starts_nothing(served):
     assert tr["argv"][1:3] == ["-m", "torch.distributed.run"] and "--nproc-per-node" in tr["argv"]
     assert tr["env"]["AREAL_LLM_SERVER_ADDRS"]
     assert os.path.dirname(tr["argv"][0]) == os.path.dirname(sys.executable)
+
+
+def test_module_entry_point_goes_to_torchrun_as_dash_m():
+    plan = json.loads(areal("train", "--alloc", "fsdp:d1", "--servers", "none", "--dry-run",
+                            "--json", "--", "-m", "pkg.train", "--config", "x.yaml", check=0).stdout)  # fmt: skip
+    argv = plan["processes"][0]["argv"]
+    assert argv[-4:] == ["-m", "pkg.train", "--config", "x.yaml"]
