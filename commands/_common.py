@@ -15,18 +15,18 @@ from areal_cli.errors import UsageError
 # Defaults are applied after the config file is read (flag > config > default), so the
 # options themselves default to None.
 ExperimentOpt = typer.Option(
-    None, "--experiment", "-e", help=f"Experiment name [default: {settings.DEFAULT_EXPERIMENT}]."
+    None, "--experiment", "-e", help=f"Experiment name (default: {settings.DEFAULT_EXPERIMENT})."
 )
 TrialOpt = typer.Option(
-    None, "--trial", "-t", help=f"Trial name [default: {settings.DEFAULT_TRIAL}]."
+    None, "--trial", "-t", help=f"Trial name (default: {settings.DEFAULT_TRIAL})."
 )
 HomeOpt = typer.Option(
-    None, "--home", help="Job records and logs [env AREAL_HOME; default ~/.cache/areal]."
+    None, "--home", help="Job records and logs (env AREAL_HOME; default ~/.cache/areal)."
 )
 RegistryOpt = typer.Option(
     None,
     "--registry",
-    help=f"Registry root [env AREAL_REGISTRY; default {settings.DEFAULT_REGISTRY}].",
+    help=f"Registry root (env AREAL_REGISTRY; default {settings.DEFAULT_REGISTRY}).",
 )
 JsonOpt = typer.Option(False, "--json", help="Machine-readable output on stdout.")
 

@@ -60,25 +60,25 @@ def register(app: typer.Typer) -> None:
             None,
             "--backend",
             "-b",
-            help="sglang | vllm | hf [default: from --alloc; sglang with GPUs, hf without].",
+            help="sglang | vllm | hf (default: from --alloc; sglang with GPUs, hf without).",
         ),
         alloc: str = typer.Option(None, "--alloc", "-a", help="Allocation, e.g. sglang:d2t2."),
         dp: int = typer.Option(None, "--dp", min=1, help="Replicas (instead of --alloc)."),
         tp: int = typer.Option(None, "--tp", min=1, help="Tensor parallel GPUs per replica."),
         experiment: str = ExperimentOpt,
         trial: str = TrialOpt,
-        host: str = typer.Option(None, "--host", help="Bind address [default 127.0.0.1]."),
+        host: str = typer.Option(None, "--host", help="Bind address (default 127.0.0.1)."),
         port_base: int = typer.Option(
             None,
             "--port-base",
             min=1,
             max=65535,
-            help="First port; must be free [default: find free ports from 30000].",
+            help="First port; must be free (default: find free ports from 30000).",
         ),
         gpus: str = typer.Option(
             None,
             "--gpus",
-            help="GPU ids to use, e.g. 0,1,2,3 [default: CUDA_VISIBLE_DEVICES, else nvidia-smi].",
+            help="GPU ids to use, e.g. 0,1,2,3 (default: CUDA_VISIBLE_DEVICES, else nvidia-smi).",
         ),
         registry: Path = RegistryOpt,
         home: Path = HomeOpt,
@@ -88,7 +88,7 @@ def register(app: typer.Typer) -> None:
         ),
         dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and start nothing."),
         health_timeout: float = typer.Option(
-            None, "--health-timeout", min=0.1, help="Seconds to wait for health [default 600]."
+            None, "--health-timeout", min=0.1, help="Seconds to wait for health (default 600)."
         ),
         python: str = typer.Option(
             None, "--python", help="Interpreter that runs the servers (their own virtualenv)."
@@ -96,10 +96,10 @@ def register(app: typer.Typer) -> None:
         api_key: str = typer.Option(
             None,
             "--api-key",
-            help="auto (a key when bound beyond loopback) | none | KEY [default auto].",
+            help="auto (a key when bound beyond loopback) | none | KEY (default auto).",
         ),
         seed: int = typer.Option(
-            None, "--seed", help="Random seed given to each server [default 1]."
+            None, "--seed", help="Random seed given to each server (default 1)."
         ),
         json_out: bool = JsonOpt,
     ) -> None:

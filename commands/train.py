@@ -73,16 +73,16 @@ def register(app: typer.Typer) -> None:
         servers: str = typer.Option(
             None,
             "--servers",
-            help="auto (registry) | host:port,... | none (no servers) [default auto].",
+            help="auto (registry) | host:port,... | none (no servers) (default auto).",
         ),
         min_servers: int = typer.Option(
             None,
             "--min-servers",
             min=1,
-            help="Servers to wait for [default 1; all found are used].",
+            help="Servers to wait for (default 1; all found are used).",
         ),
         wait_servers: float = typer.Option(
-            None, "--wait-servers", min=0, help="Seconds to wait for servers [default 60]."
+            None, "--wait-servers", min=0, help="Seconds to wait for servers (default 60)."
         ),
         nnodes: int = typer.Option(None, "--nnodes", min=1, help="Nodes (torchrun)."),
         node_rank: int = typer.Option(
@@ -93,7 +93,7 @@ def register(app: typer.Typer) -> None:
             None, "--master-port", min=1, max=65535, help="Rendezvous port (torchrun)."
         ),
         gpus: str = typer.Option(
-            None, "--gpus", help="GPU ids for the workers [default: free ones]."
+            None, "--gpus", help="GPU ids for the workers (default: free ones)."
         ),
         config: Path = typer.Option(
             None, "--config", "-c", help="Job YAML (keys are these flags)."
@@ -109,13 +109,13 @@ def register(app: typer.Typer) -> None:
             help="Append AReaL key=value overrides (allocation_mode, experiment/trial, name_resolve) to the script args.",
         ),
         health_timeout: float = typer.Option(
-            None, "--health-timeout", min=0.1, help="For co-launched servers [default 600]."
+            None, "--health-timeout", min=0.1, help="For co-launched servers (default 600)."
         ),
         api_key: str = typer.Option(
             None,
             "--api-key",
-            help="Co-launched servers: auto | none | KEY [default auto]. With --servers: the "
-            "KEY they need [default env AREAL_API_KEY].",
+            help="Co-launched servers: auto | none | KEY (default auto). With --servers: the "
+            "KEY they need (default env AREAL_API_KEY).",
         ),
         registry: Path = RegistryOpt,
         home: Path = HomeOpt,

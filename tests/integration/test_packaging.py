@@ -36,3 +36,6 @@ def test_help_does_not_import_torch():
     out = areal("--help", check=0).stdout
     for cmd in ("serve", "train", "ps", "logs", "stop", "doctor", "alloc", "init-model"):
         assert cmd in out
+    # Defaults in help text survive rich markup (square brackets would be eaten).
+    serve_help = areal("serve", "--help", env={"COLUMNS": "200"}, check=0).stdout
+    assert "(default auto)" in serve_help and "areal serve --backend hf" in serve_help
