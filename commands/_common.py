@@ -51,8 +51,12 @@ def check_name(kind: str, value: str) -> str:
     return value
 
 
-def load_config(path: Path | None, allowed: set[str]) -> dict[str, Any]:
-    """A job YAML whose keys are the command's long flags (dashes or underscores)."""
+def load_config(path: Path | None, schema: dict[str, str]) -> dict[str, Any]:
+    """A job YAML whose keys are the command's long flags (dashes or underscores).
+
+    `schema` maps each key to its kind: str, int, posint, port, float, bool or list. Values
+    are checked here, so a bad one is a usage error naming the key, never a traceback later.
+    """
     if path is None:
         return {}
     import yaml
@@ -70,13 +74,42 @@ def load_config(path: Path | None, allowed: set[str]) -> dict[str, Any]:
     out = {}
     for k, v in data.items():
         key = str(k).replace("-", "_")
-        if key not in allowed:
+        if key not in schema:
             raise UsageError(
                 f"config file {path}: unknown key {k!r}",
-                hint="known keys: " + ", ".join(sorted(allowed)),
+                hint="known keys: " + ", ".join(sorted(schema)),
             )
-        out[key] = v
+        if v is not None:
+            out[key] = _convert(path, key, v, schema[key])
     return out
+
+
+def _convert(path: Path, key: str, v: Any, kind: str) -> Any:
+    def bad() -> UsageError:
+        want = {"posint": "an integer >= 1", "port": "a port (1-65535)", "list": "a list"}
+        return UsageError(f"config file {path}: {key} is {v!r}, not {want.get(kind, 'a ' + kind)}")
+
+    if kind == "list":
+        if not isinstance(v, list) or any(isinstance(x, (dict, list)) for x in v):
+            raise bad()
+        return [str(x) for x in v]
+    if kind == "bool":
+        if not isinstance(v, bool):
+            raise bad()
+        return v
+    if kind == "str":
+        if isinstance(v, (dict, list, bool)):
+            raise bad()
+        return str(v)
+    if isinstance(v, bool):
+        raise bad()
+    try:
+        num = float(v) if kind == "float" else int(str(v))
+    except ValueError:
+        raise bad() from None
+    if (kind == "posint" and num < 1) or (kind == "port" and not 0 < num < 65536):
+        raise bad()
+    return num
 
 
 def job_names(experiment, trial, config: dict) -> tuple[str, str]:

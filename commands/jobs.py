@@ -179,9 +179,8 @@ def stop(
             "give a job name or --all", hint="areal stop default/trial0 (see areal ps)"
         )
     if all_:
-        records = [
-            r for r in jobs.list_all(home_dir)[0] if r.state in ("starting", "running", "stopping")
-        ]
+        here = settings.hostname()
+        records = [r for r in jobs.list_all(home_dir)[0] if r.state in jobs.LIVE and r.host == here]
     else:
         exp, trial = jobs.parse_name(name)
         if kind is not None and kind not in ("serve", "train"):

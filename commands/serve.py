@@ -24,8 +24,10 @@ from ._common import (
 )
 
 CONFIG_KEYS = {
-    "backend", "model", "alloc", "dp", "tp", "experiment", "trial", "host", "port_base",
-    "gpus", "health_timeout", "python", "api_key", "seed", "extra_args",
+    "backend": "str", "model": "str", "alloc": "str", "dp": "posint", "tp": "posint",
+    "experiment": "str", "trial": "str", "host": "str", "port_base": "port", "gpus": "str",
+    "health_timeout": "float", "python": "str", "api_key": "str", "seed": "int",
+    "extra_args": "list",
 }  # fmt: skip
 
 HELP = """Start SGLang, vLLM or hf inference servers, wait until healthy, register them.
@@ -135,7 +137,7 @@ def register(app: typer.Typer) -> None:
             from areal_cli import gpus as gpus_mod
 
             backend = "sglang" if gpus_mod.detect(gpus_flag and str(gpus_flag)).gpus else "hf"
-        extra = list(ctx.args) or [str(x) for x in cfg.get("extra_args", [])]
+        extra = list(ctx.args) or cfg.get("extra_args", [])
         role = ServerRole(
             backend=backend,
             model_path=str(Path(model).expanduser().resolve()),
@@ -188,7 +190,16 @@ def _run_detached(plan, home_dir, json_out: bool) -> None:
                     f"{plan.experiment}/{plan.trial}: {rec.state}, {len(rec.processes)}/{n} spawned"
                 )
 
-        rec = launch.wait_detached(plan, home_dir, daemon, progress)
+        try:
+            rec = launch.wait_detached(plan, home_dir, daemon, progress)
+        except KeyboardInterrupt:
+            # Ctrl-C while waiting means "never mind": the starting job goes too.
+            daemon.terminate()
+            daemon.wait()
+            console.err.print(
+                f"[yellow]interrupted[/]: stopped the starting job {plan.experiment}/{plan.trial}"
+            )
+            raise typer.Exit(130) from None
     servers = [
         {"addr": p.addr, "pid": p.pid, "gpus": p.gpus, "log": p.log}
         for p in rec.processes

@@ -25,9 +25,11 @@ from ._common import (
 )
 
 CONFIG_KEYS = {
-    "alloc", "experiment", "trial", "servers", "min_servers", "wait_servers", "nnodes",
-    "node_rank", "master_addr", "master_port", "gpus", "debug_preset", "model", "python",
-    "health_timeout", "api_key", "areal_overrides",
+    "alloc": "str", "experiment": "str", "trial": "str", "servers": "str",
+    "min_servers": "posint", "wait_servers": "float", "nnodes": "posint", "node_rank": "int",
+    "master_addr": "str", "master_port": "port", "gpus": "str", "debug_preset": "str",
+    "model": "str", "python": "str", "health_timeout": "float", "api_key": "str",
+    "areal_overrides": "bool",
 }  # fmt: skip
 
 HELP = """Run training workers with torchrun against inference servers.

@@ -22,6 +22,9 @@ class Gpu:
     uuid: str = ""
     memory_total_mib: int | None = None
     memory_used_mib: int | None = None
+    # How CUDA_VISIBLE_DEVICES names it for children: the index, or the GPU-/MIG- UUID when
+    # that is how the parent's CUDA_VISIBLE_DEVICES named it.
+    token: str | None = None
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,11 @@ class GpuInventory:
     @property
     def ids(self) -> list[int]:
         return [g.index for g in self.gpus]
+
+    def visible(self, ids: list[int]) -> str:
+        """CUDA_VISIBLE_DEVICES for a child that gets these GPUs."""
+        by_index = {g.index: g.token or str(g.index) for g in self.gpus}
+        return ",".join(by_index[i] for i in ids)
 
 
 def parse_gpu_list(text: str, source: str = "--gpus") -> list[int]:
@@ -98,8 +106,11 @@ def detect(gpus_flag: str | None = None) -> GpuInventory:
     if env is not None:
         # UUID lists (GPU-xxxx) cannot be sliced by index; treat them positionally.
         if env.strip() and not env.strip()[0].isdigit() and env.strip() not in ("-1",):
-            n = len([x for x in env.split(",") if x.strip()])
-            return GpuInventory(tuple(Gpu(i) for i in range(n)), "CUDA_VISIBLE_DEVICES")
+            tokens = [x.strip() for x in env.split(",") if x.strip()]
+            return GpuInventory(
+                tuple(Gpu(i, uuid=t, token=t) for i, t in enumerate(tokens)),
+                "CUDA_VISIBLE_DEVICES",
+            )
         return GpuInventory(
             tuple(Gpu(i) for i in parse_gpu_list(env, "CUDA_VISIBLE_DEVICES")),
             "CUDA_VISIBLE_DEVICES",

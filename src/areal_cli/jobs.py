@@ -54,6 +54,7 @@ class JobRecord:
     processes: list[ProcessRecord] = field(default_factory=list)
     api_key_file: str | None = None
     message: str | None = None  # why it failed or stopped
+    detail: str | None = None  # the failing process's log tail
     exit_code: int | None = None
     updated: float = 0.0
 
@@ -102,10 +103,16 @@ def record_path(home: Path, experiment: str, trial: str, kind: str) -> Path:
 def write(home: Path, record: JobRecord) -> Path:
     record.updated = time.time()
     path = record_path(home, record.experiment, record.trial, record.kind)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record.to_json(), indent=2))
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record.to_json(), indent=2))
+        os.replace(tmp, path)
+    except OSError as e:
+        raise UsageError(
+            f"cannot write the job record {path}: {e.strerror or e}",
+            hint="pick a writable --home (or AREAL_HOME)",
+        ) from None
     return path
 
 
@@ -169,6 +176,27 @@ def parse_name(name: str) -> tuple[str, str]:
             hint="for example: areal stop default/trial0 (see `areal ps`)",
         )
     return parts[0], parts[1]
+
+
+def lock_slot(home: Path, experiment: str, trial: str, kind: str):
+    """Hold the trial's serve or train slot for this process's lifetime (the kernel drops
+    the lock when it dies, even by SIGKILL). Two jobs racing for one slot: one gets it."""
+    import fcntl
+
+    path = record_path(home, experiment, trial, kind).with_suffix(".lock")
+    from areal_cli.settings import ensure_dir
+
+    ensure_dir(path.parent)
+    f = open(path, "w")  # noqa: SIM115 - held open as the lock
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise UsageError(
+            f"another {slot(kind)} job of {experiment}/{trial} is starting or running",
+            hint=f"see `areal ps`, stop it (areal stop {experiment}/{trial}) or pick another --trial",
+        ) from None
+    return f
 
 
 def refuse_if_running(home: Path, experiment: str, trial: str, kind: str) -> None:

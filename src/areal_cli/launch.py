@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from areal_cli import jobs, procs
+from areal_cli import jobs, procs, settings
 from areal_cli.errors import EXIT_TIMEOUT, LaunchError, WaitTimeout
 from areal_cli.spec import Plan
 
@@ -21,15 +21,13 @@ def spawn_detached(plan: Plan, home: Path) -> subprocess.Popen:
     jobs.refuse_if_running(home, plan.experiment, plan.trial, plan.kind)
     record = jobs.record_path(home, plan.experiment, plan.trial, plan.kind)
     job_dir = record.parent
-    job_dir.mkdir(parents=True, exist_ok=True)
-    Path(plan.log_dir).mkdir(parents=True, exist_ok=True)
+    settings.ensure_dir(job_dir)
+    settings.ensure_dir(plan.log_dir)
     plan_file = job_dir / f".{jobs.slot(plan.kind)}-plan.json"
     # The plan may hold the API key: readable by the user only.
     fd = os.open(plan_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(plan.to_json(redact=False), f)
-    # A stale record from an earlier run must not be mistaken for this one.
-    record.unlink(missing_ok=True)
     log = open(supervisor_log(plan), "wb")  # noqa: SIM115 - handed to the child
     env = {k: v for k, v in os.environ.items() if k != procs.MARKER_ENV}
     try:
@@ -64,6 +62,7 @@ def wait_detached(
                 cls = WaitTimeout if rec.exit_code == EXIT_TIMEOUT else LaunchError
                 raise cls(
                     rec.message or f"job {rec.name} ended ({rec.state})",
+                    detail=rec.detail,
                     hint=f"logs: {plan.log_dir} (areal logs {rec.name})",
                 )
         code = daemon.poll()

@@ -14,7 +14,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from areal_cli import backends, gpus, procs, settings
+from areal_cli import backends, gpus, jobs, procs, settings
 from areal_cli.errors import UsageError
 from areal_cli.registry import FileRegistry
 from areal_cli.spec import JobSpec, Plan, ProcessPlan, ServerRole, TrainerRole
@@ -43,15 +43,26 @@ def resolve_api_key(flag: str, host: str, key_file: Path) -> str | None:
     return flag
 
 
-def held_gpus(registry: FileRegistry) -> dict[int, str]:
-    """GPU index → "E/T addr" for live registered servers on this host."""
-    held: dict[int, str] = {}
+def held_by_others(registry: FileRegistry, home: Path) -> tuple[dict[int, str], set[int]]:
+    """GPUs (index → who) and ports that live jobs on this host hold: registered servers,
+    and every process of a live job record, including servers still loading (not yet
+    registered) and trainers (never registered)."""
     me = settings.hostname()
+    gpus_: dict[int, str] = {}
+    ports: set[int] = set()
     for e in registry.list().servers:
         if e.host == me:
             for g in e.gpus:
-                held[g] = f"{e.experiment}/{e.trial} {e.addr}"
-    return held
+                gpus_[g] = f"{e.experiment}/{e.trial} {e.addr}"
+    for rec in jobs.list_all(home)[0]:
+        if rec.host != me or rec.state not in jobs.LIVE or not rec.alive():
+            continue
+        for p in rec.processes:
+            for g in p.gpus:
+                gpus_.setdefault(g, f"{rec.name} {p.addr or p.role}")
+            if p.addr:
+                ports.add(int(p.addr.rpartition(":")[2]))
+    return gpus_, ports
 
 
 def plan(spec: JobSpec, home: Path, registry_root: Path, check_packages: bool = True) -> Plan:
@@ -70,7 +81,7 @@ def plan(spec: JobSpec, home: Path, registry_root: Path, check_packages: bool = 
         health_timeout=spec.health_timeout,
     )
     inventory = gpus.detect(spec.gpus_flag)
-    held = held_gpus(registry) if inventory.gpus else {}
+    held, busy_ports = held_by_others(registry, home)
     free = [g for g in inventory.ids if g not in held]
 
     if spec.servers:
@@ -79,14 +90,14 @@ def plan(spec: JobSpec, home: Path, registry_root: Path, check_packages: bool = 
         if key:
             p.api_key = key
             p.api_key_file = str(job_dir / "api_key")
-        free = _plan_servers(p, role, inventory, free, held, log_dir, check_packages)
+        free = _plan_servers(p, role, inventory, free, held, log_dir, check_packages, busy_ports)
         p.model_path, p.tp = role.model_path, role.tp
     if spec.trainer:
         _plan_trainer(p, spec, spec.trainer, inventory, free, held, log_dir)
     return p
 
 
-def _plan_servers(p, role: ServerRole, inventory, free, held, log_dir, check_packages):
+def _plan_servers(p, role: ServerRole, inventory, free, held, log_dir, check_packages, busy_ports):
     backend = backends.get(role.backend)
     if not Path(role.model_path).exists():
         raise UsageError(
@@ -114,11 +125,11 @@ def _plan_servers(p, role: ServerRole, inventory, free, held, log_dir, check_pac
         )
     if check_packages:
         backends.check_installed(backend, role.python)
-    ports = _ports(role, role.replicas)
+    ports = _ports(role, role.replicas, busy_ports)
     for i in range(role.replicas):
         slice_ = free[i * role.gpus_per_replica : (i + 1) * role.gpus_per_replica] if on_gpu else []
         env = {
-            "CUDA_VISIBLE_DEVICES": ",".join(map(str, slice_)) if on_gpu else "",
+            "CUDA_VISIBLE_DEVICES": inventory.visible(slice_) if on_gpu else "",
             "PYTHONUNBUFFERED": "1",
         }
         p.processes.append(
@@ -177,14 +188,14 @@ def _plan_trainer(p, spec: JobSpec, t: TrainerRole, inventory, free, held, log_d
             role="trainer",
             index=0,
             argv=argv,
-            env=worker_env(spec, t, p, addrs, backend, key, slice_, on_gpu),
+            env=worker_env(spec, t, p, addrs, backend, key, inventory.visible(slice_)),
             gpus=slice_,
             log_path=str(log_dir / "torchrun.log"),
         )
     )
 
 
-def worker_env(spec, t: TrainerRole, p: Plan, addrs, backend, key, gpus_, on_gpu) -> dict[str, str]:
+def worker_env(spec, t: TrainerRole, p: Plan, addrs, backend, key, visible: str) -> dict[str, str]:
     """What each training worker finds in its environment (and what AReaL's launcher sets)."""
     env = {
         "AREAL_LLM_SERVER_ADDRS": ",".join(addrs),
@@ -194,13 +205,15 @@ def worker_env(spec, t: TrainerRole, p: Plan, addrs, backend, key, gpus_, on_gpu
         "AREAL_TRIAL": spec.trial,
         "AREAL_ALLOC": t.alloc,
         "AREAL_LOG_DIR": p.log_dir,
-        "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus_)) if on_gpu else "",
+        "CUDA_VISIBLE_DEVICES": visible,
         "CUDA_DEVICE_MAX_CONNECTIONS": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": os.environ.get(
             "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, t.nproc)))
         ),
         "PYTHONUNBUFFERED": "1",
+        # Global ranks in torchrun's line prefix, so per-rank logs are right on every node.
+        "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:",
     }
     if backend == "sglang":
         # NCCL's cuMem allocator and NVLink SHARP clash with SGLang's in the same job.
@@ -234,13 +247,20 @@ def areal_overrides(spec: JobSpec, backend: str, n_servers: int, registry: str) 
     ]
 
 
-def _ports(role: ServerRole, n: int) -> list[int]:
+def _ports(role: ServerRole, n: int, busy: set[int]) -> list[int]:
     if role.port_base is None:
-        return procs.free_ports(n, role.host, start=DEFAULT_PORT_BASE)
+        # Servers bind their port only after loading the model: ports of jobs still
+        # starting are taken too, though nothing listens on them yet.
+        return procs.free_ports(n, role.host, start=DEFAULT_PORT_BASE, avoid=busy)
     ports = list(range(role.port_base, role.port_base + n))
     for port in ports:
         if port > 65535:
             raise UsageError(f"port {port} is out of range", hint="pick a lower --port-base")
+        if port in busy:
+            raise UsageError(
+                f"port {port} (--port-base {role.port_base}) belongs to a job still starting",
+                hint="see `areal ps`, or pick another --port-base",
+            )
         if not procs.port_free(port, role.host):
             who = procs.port_holder(port) or "another process"
             raise UsageError(

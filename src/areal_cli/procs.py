@@ -147,26 +147,48 @@ def port_holder(port: int) -> str | None:
     return None
 
 
+def bind_address(host: str) -> tuple[int, tuple]:
+    """(family, sockaddr) for binding `host`; a host that does not resolve is a usage error."""
+    import socket
+
+    from areal_cli.errors import UsageError
+
+    try:
+        infos = socket.getaddrinfo(
+            host or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host!r} does not resolve: {e.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    return family, addr
+
+
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
     import socket
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    family, addr = bind_address(host)
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((host if host not in ("0.0.0.0", "") else "0.0.0.0", port))
+            s.bind((addr[0], port, *addr[2:]))
         except OSError:
             return False
     return True
 
 
-def free_ports(count: int, host: str = "127.0.0.1", start: int = 30000) -> list[int]:
-    """`count` ports that are free now, scanning upward from `start`."""
+def free_ports(
+    count: int, host: str = "127.0.0.1", start: int = 30000, avoid: set[int] | None = None
+) -> list[int]:
+    """`count` ports that are free now (and not in `avoid`), scanning upward from `start`."""
+    from areal_cli.errors import UsageError
+
+    bind_address(host)  # fail fast on a bad host, not after scanning every port
     ports: list[int] = []
     port = start
     while len(ports) < count:
         if port > 65535:
-            raise RuntimeError("no free ports left")
-        if port_free(port, host):
+            raise UsageError(f"no {count} free ports on {host} from {start} up")
+        if port not in (avoid or ()) and port_free(port, host):
             ports.append(port)
         port += 1
     return ports

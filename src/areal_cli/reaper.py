@@ -36,10 +36,7 @@ def cleanup(marker: str, home: Path, experiment: str, trial: str, registry_root:
     from areal_cli.registry import FileRegistry
 
     procs.kill_job(marker, grace=3.0)
-    reg = FileRegistry(registry_root)
-    for e in reg.list(experiment, trial, include_dead=True).servers:
-        if e.managed and e.job == f"{experiment}/{trial}":
-            reg.deregister(experiment, trial, e.id)
+    FileRegistry(registry_root).deregister_job(experiment, trial, marker)
     try:
         recs = jobs.load_all(home, experiment, trial)
     except Exception:

@@ -44,6 +44,7 @@ class ServerEntry:
     api_key_required: bool = False
     weight_version: str | None = None
     job: str | None = None  # experiment/trial of the areal job that registered it
+    marker: str | None = None  # that job's marker: teardown removes its own entries only
     # False for entries without our metadata (e.g. registered by AReaL itself).
     managed: bool = True
 
@@ -104,6 +105,15 @@ class FileRegistry:
             d = self.trial_dir(experiment, trial) / key / server_id
             shutil.rmtree(d, ignore_errors=True)
             _prune_empty(d.parent, stop=self.root)
+
+    def deregister_job(self, experiment: str, trial: str, marker: str) -> int:
+        """Remove the entries one job registered (not those of another job in the trial)."""
+        gone = 0
+        for e in self.list(experiment, trial, include_dead=True).servers:
+            if e.managed and e.marker == marker:
+                self.deregister(experiment, trial, e.id)
+                gone += 1
+        return gone
 
     def list(
         self, experiment: str | None = None, trial: str | None = None, include_dead: bool = False
@@ -179,8 +189,14 @@ class FileRegistry:
     def _meta_file(self, e: ServerEntry) -> Path:
         return self.trial_dir(e.experiment, e.trial) / META_KEY / e.id / "ENTRY"
 
-    @staticmethod
-    def _write(path: Path, text: str) -> None:
+    def _write(self, path: Path, text: str) -> None:
+        if not self.root.exists():
+            # Shared by every user of the host (each writes under its own name), like /tmp.
+            self.root.mkdir(parents=True, exist_ok=True)
+            try:
+                os.chmod(self.root, 0o1777)
+            except OSError:
+                pass
         path.parent.mkdir(parents=True, exist_ok=True)
         # The temp file sits in the parent, not beside ENTRY: AReaL's reader would skip a
         # directory holding two files, and ours would call it half-written.

@@ -44,3 +44,17 @@ def registry_root(override: str | Path | None = None) -> Path:
 
 def log_dir(home_dir: Path, experiment: str, trial: str) -> Path:
     return home_dir / "logs" / user() / experiment / trial
+
+
+def ensure_dir(path: Path | str, what: str = "--home (or AREAL_HOME)") -> Path:
+    """mkdir -p, with a usage error naming the flag to change when it cannot be made."""
+    from areal_cli.errors import UsageError
+
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(
+            f"cannot create {path}: {e.strerror or e}", hint=f"pick a writable {what}"
+        ) from None
+    return path

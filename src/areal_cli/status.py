@@ -7,7 +7,8 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from areal_cli import jobs, procs
+from areal_cli import jobs, procs, settings
+from areal_cli.errors import UsageError
 from areal_cli.registry import FileRegistry
 from areal_cli.supervisor import probe_health
 
@@ -25,10 +26,11 @@ def job_statuses(home: Path, include_ended: bool = False) -> list[dict]:
         if not include_ended and state not in LIVE:
             continue
         out.append((rec, state))
+    here = settings.hostname()
     probes = []
     for rec, _ in out:
         for p in rec.processes:
-            if p.role == "server" and p.addr:
+            if p.role == "server" and p.addr and rec.host == here:
                 probes.append(p.addr)
     health = _probe_all(probes)
     result = []
@@ -45,6 +47,7 @@ def job_statuses(home: Path, include_ended: bool = False) -> list[dict]:
             "trial": rec.trial,
             "kind": rec.kind,
             "state": state,
+            "host": rec.host,
             "pids": [rec.supervisor_pid, *rec.pids],
             "supervisor_pid": rec.supervisor_pid,
             "servers": servers,
@@ -75,6 +78,12 @@ def _probe_all(addrs: list[str]) -> dict[str, bool]:
 
 def stop_job(home: Path, rec: jobs.JobRecord, timeout: float, registry_root: Path) -> dict:
     """SIGTERM the supervisor and wait; then make sure nothing of the job is left."""
+    if rec.host != settings.hostname():
+        # Its pids mean nothing here (a shared home seen from another node).
+        raise UsageError(
+            f"job {rec.name} runs on {rec.host}, not on this host ({settings.hostname()})",
+            hint=f"run `areal stop {rec.name}` on {rec.host}",
+        )
     was_running = rec.alive() and rec.state in LIVE
     if was_running:
         try:
@@ -82,14 +91,12 @@ def stop_job(home: Path, rec: jobs.JobRecord, timeout: float, registry_root: Pat
         except ProcessLookupError:
             pass
         procs.wait_until(lambda: not rec.alive(), timeout)
-    killed = procs.kill_job(rec.marker, [p.pid for p in rec.processes], grace=3.0)
+    # Only pids that are still the processes we started: an old record's pids may be reused.
+    roots = [p.pid for p in rec.processes if procs.pid_alive(p.pid, p.create_time)]
+    killed = procs.kill_job(rec.marker, roots, grace=3.0)
     deregistered = 0
     for root in {Path(rec.registry), Path(registry_root)}:
-        reg = FileRegistry(root)
-        for e in reg.list(rec.experiment, rec.trial, include_dead=True).servers:
-            if e.managed and e.job == rec.name:
-                reg.deregister(rec.experiment, rec.trial, e.id)
-                deregistered += 1
+        deregistered += FileRegistry(root).deregister_job(rec.experiment, rec.trial, rec.marker)
     fresh = jobs.load(home, rec.experiment, rec.trial, rec.kind)
     if fresh.state in LIVE:
         fresh.state = "stopped"

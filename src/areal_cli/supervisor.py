@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from areal_cli import jobs, procs, settings
-from areal_cli.errors import EXIT_INTERRUPTED, ArealError, LaunchError, WaitTimeout
+from areal_cli.errors import EXIT_INTERRUPTED, ArealError, LaunchError, UsageError, WaitTimeout
 from areal_cli.registry import FileRegistry, ServerEntry, server_id
 from areal_cli.spec import Plan, ProcessPlan
 
@@ -138,13 +138,20 @@ def _connect_host(host: str) -> str:
 
 
 def advertised_host(host: str) -> str:
-    """The address other machines use to reach a server bound to `host`."""
+    """The address other machines use to reach a server bound to `host`: for a wildcard
+    bind, the first non-loopback IPv4 address of this host (the hostname often resolves to
+    127.0.1.1), else the hostname."""
     if host not in ("0.0.0.0", "::", ""):
         return host
-    try:
-        return socket.gethostbyname(settings.hostname())
-    except OSError:
-        return settings.hostname()
+    import ipaddress
+
+    import psutil
+
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback:
+                return a.address
+    return settings.hostname()
 
 
 class Supervisor:
@@ -165,6 +172,8 @@ class Supervisor:
         self.changed = threading.Event()  # a process exited, or a stop was requested
         self.stop_reason: str | None = None
         self._reaper: subprocess.Popen | None = None
+        self._beat: threading.Thread | None = None
+        self._finished = threading.Event()
         self.record: jobs.JobRecord | None = None
 
     # -- public ---------------------------------------------------------------------------
@@ -177,7 +186,10 @@ class Supervisor:
     def run(self) -> int:
         """Run the job to its end. Returns the exit code; raises for the first failure."""
         jobs.refuse_if_running(self.home, self.plan.experiment, self.plan.trial, self.plan.kind)
-        Path(self.plan.log_dir).mkdir(parents=True, exist_ok=True)
+        self._slot = jobs.lock_slot(
+            self.home, self.plan.experiment, self.plan.trial, self.plan.kind
+        )
+        settings.ensure_dir(self.plan.log_dir)
         # Entries left by servers that died with their supervisor and watchdog (a reboot):
         # AReaL's reader cannot tell them from live ones, so they go before we add ours.
         self.registry.prune(self.plan.experiment, self.plan.trial)
@@ -196,7 +208,7 @@ class Supervisor:
             self._teardown("failed", "the supervisor crashed", 1)
             raise
         if error is not None:
-            self._teardown("failed", error.message, code)
+            self._teardown("failed", error.message, code, error.detail)
             raise error
         state = "stopped" if code in (0, EXIT_INTERRUPTED) else "failed"
         self._teardown(state, self.stop_reason, code)
@@ -299,7 +311,6 @@ class Supervisor:
             time.sleep(0.02)
 
     def _watch(self) -> int:
-        last_beat = time.monotonic()
         trainers = [p for p in self.procs if p.plan.role == "trainer"]
         while not self.stop_requested.is_set():
             for proc in trainers:
@@ -328,15 +339,7 @@ class Supervisor:
                     )
                     if not trainers and all(p.lost for p in self.procs if p.plan.role == "server"):
                         raise self._failure(proc, code, "(no replica left)")
-            if time.monotonic() - last_beat >= HEARTBEAT_EVERY:
-                last_beat = time.monotonic()
-                for proc in self.procs:
-                    if proc.registered and not proc.lost:
-                        try:
-                            self.registry.heartbeat(proc.registered)
-                        except OSError:
-                            pass
-            self.changed.wait(max(0.0, HEARTBEAT_EVERY - (time.monotonic() - last_beat)))
+            self.changed.wait()
             self.changed.clear()
         return EXIT_INTERRUPTED if self.stop_reason == "interrupted" else 0
 
@@ -359,20 +362,47 @@ class Supervisor:
             pid_create_time=procs.create_time(proc.popen.pid),
             api_key_required=bool(self.plan.api_key),
             job=f"{self.plan.experiment}/{self.plan.trial}",
+            marker=self.plan.marker,
         )
-        self.registry.register(entry)
+        try:
+            self.registry.register(entry)
+        except OSError as e:
+            raise UsageError(
+                f"cannot write the registry at {self.registry.root}: {e.strerror or e}",
+                hint="pick a writable --registry (or AREAL_REGISTRY)",
+            ) from None
         proc.registered = entry
+        if self._beat is None:
+            # From the first registration on, even while other replicas still load: an entry
+            # whose heartbeat ages past its TTL counts as dead to every reader.
+            self._beat = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
+            self._beat.start()
+
+    def _heartbeat(self) -> None:
+        while not self._finished.wait(HEARTBEAT_EVERY):
+            for proc in list(self.procs):
+                entry = proc.registered
+                if entry is not None and not proc.lost:
+                    try:
+                        self.registry.heartbeat(entry)
+                    except OSError:
+                        pass  # a full or flaky filesystem: the next beat tries again
 
     def _deregister(self, proc: _Proc) -> None:
         if proc.registered:
             self.registry.deregister(self.plan.experiment, self.plan.trial, proc.registered.id)
             proc.registered = None
 
-    def _teardown(self, state: str, message: str | None, code: int) -> None:
+    def _teardown(
+        self, state: str, message: str | None, code: int, detail: str | None = None
+    ) -> None:
+        self._finished.set()
         self.on_event("stopping", {"state": state})
         for proc in self.procs:
             self._deregister(proc)
-        procs.kill_job(self.plan.marker, [p.popen.pid for p in self.procs], grace=5.0)
+        # Reaped processes' pids may already belong to someone else: only live ones are roots.
+        live = [p.popen.pid for p in self.procs if p.popen.poll() is None]
+        procs.kill_job(self.plan.marker, live, grace=5.0)
         for proc in self.procs:
             try:
                 proc.popen.wait(timeout=2)
@@ -390,8 +420,10 @@ class Supervisor:
         if self.record:
             self.record.state = state
             self.record.message = message
+            self.record.detail = detail
             self.record.exit_code = code
             jobs.write(self.home, self.record)
+        self._slot.close()  # releases the slot's lock
 
     def _start_record(self) -> None:
         me = os.getpid()

@@ -261,3 +261,53 @@ def test_extra_backend_args_pass_through_and_debug_shows_traceback(model, tmp_pa
     assert plan["processes"][0]["argv"][-2:] == ["--max-total-tokens", "64"]
     res = areal("--debug", "serve", "--model", str(tmp_path / "nope"), check=2)
     assert "Traceback" in res.stderr and "does not exist" in res.stderr
+
+
+def _record(home, name, host, pid, state, create_time):
+    from areal_cli import jobs
+
+    exp, trial = name.split("/")
+    rec = jobs.JobRecord(
+        experiment=exp, trial=trial, kind="serve", state=state, marker="m-" + trial,
+        supervisor_pid=pid, supervisor_create_time=create_time, host=host, started=time.time(),
+        log_dir="/tmp", registry="/tmp",
+        processes=[jobs.ProcessRecord(role="server", index=0, pid=pid, argv=[], log="",
+                                      create_time=create_time)],
+    )  # fmt: skip
+    jobs.write(home, rec)
+
+
+def test_stop_never_signals_pids_that_are_not_ours(areal_env):
+    """A record from another host (shared home), or an old record whose pid was reused,
+    must not get anyone killed."""
+    home, _ = areal_env
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        _record(home, "remote/t", "othernode", sleeper.pid, "running", time.time())
+        res = areal("stop", "remote/t", check=2)
+        assert "runs on othernode" in res.stderr
+        _record(home, "old/t", __import__("socket").gethostname(), sleeper.pid, "stopped", 1.0)
+        areal("stop", "old/t", check=0)
+        areal("stop", "--all", check=0)
+        assert sleeper.poll() is None, "an unrelated process was killed"
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_bad_config_values_exit_2(model, tmp_path):
+    cfg = tmp_path / "job.yaml"
+    for text, needle in [
+        ("seed: abc\n", "seed is 'abc'"),
+        ("dp: two\n", "dp is 'two'"),
+        ("extra_args: --foo\n", "not a list"),
+        ("port_base: 99999\n", "not a port"),
+    ]:
+        cfg.write_text(f"model: {model}\n" + text)
+        res = areal("serve", "--config", str(cfg), "--dry-run", check=2)
+        assert needle in res.stderr and "Traceback" not in res.stderr, res.stderr
+    cfg.write_text("nnodes: x\n")
+    res = areal("train", "--config", str(cfg), "--alloc", "fsdp:d1", "x.py", check=2)
+    assert "nnodes is 'x'" in res.stderr
+    res = areal(*fake_serve_args(model, "--host", "nohost.invalid"), check=2)
+    assert "does not resolve" in res.stderr

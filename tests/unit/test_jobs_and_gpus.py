@@ -76,3 +76,11 @@ def test_gpu_sources(monkeypatch):
     assert inv.gpus[0].name == "NVIDIA H100 80GB HBM3" and inv.gpus[0].memory_total_mib == 81559
     with pytest.raises(UsageError):
         gpus.parse_gpu_list("0,0")
+
+
+def test_uuid_visible_devices_are_handed_on_as_uuids(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-5f3a,GPU-77b1")
+    inv = gpus.detect()
+    assert inv.ids == [0, 1] and inv.visible([1]) == "GPU-77b1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    assert gpus.detect().visible([6]) == "6"

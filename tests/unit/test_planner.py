@@ -80,3 +80,29 @@ def test_trainer_takes_gpus_no_server_holds(tmp_path, four_gpus):
     t3 = TrainerRole(script="train.py", script_args=(), nproc=3, alloc="fsdp:d3")
     with pytest.raises(UsageError, match="GPU 0: other/t"):
         planner.plan(JobSpec(experiment="e", trial="t", trainer=t3), tmp_path, tmp_path / "r")
+
+
+def test_gpus_and_ports_of_jobs_still_starting_are_taken(tmp_path, four_gpus):
+    from areal_cli import jobs, procs, settings
+
+    rec = jobs.JobRecord(
+        experiment="other", trial="t", kind="serve", state="starting", marker="m",
+        supervisor_pid=os.getpid(), supervisor_create_time=procs.create_time(os.getpid()),
+        host=settings.hostname(), started=0.0, log_dir="/tmp", registry="/tmp",
+        processes=[jobs.ProcessRecord(role="server", index=0, pid=os.getpid(), argv=[], log="",
+                                      addr="127.0.0.1:30000", gpus=[0, 1])],
+    )  # fmt: skip
+    jobs.write(tmp_path, rec)
+    p = planner.plan(spec("sglang", 1, 2, tmp_path), tmp_path, tmp_path / "r", check_packages=False)
+    assert p.servers[0].gpus == [2, 3] and p.servers[0].port != 30000
+
+
+def test_deregister_job_leaves_other_jobs_entries(tmp_path):
+    from areal_cli.registry import FileRegistry, ServerEntry
+
+    reg = FileRegistry(tmp_path)
+    for port, marker in ((1, "serve-job"), (2, "train-job")):
+        reg.register(ServerEntry(id=f"h_{port}", addr=f"h:{port}", experiment="e", trial="t",
+                                 marker=marker))  # fmt: skip
+    assert reg.deregister_job("e", "t", "train-job") == 1
+    assert [e.addr for e in reg.list("e", "t").servers] == ["h:1"]
