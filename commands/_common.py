@@ -142,11 +142,19 @@ class LinePrinter:
         self.console.print(f"[{color}]\\[{label}][/] {escape(line)}")
 
 
-def render_plan(plan, console) -> None:
-    """The plan as a newcomer reads it: one block per process, argv copy-pasteable."""
+def show_plan(plan, json_out: bool) -> None:
+    """--dry-run: the plan as JSON, or as a newcomer reads it: one block per process, argv
+    copy-pasteable. The API key is never shown."""
     import shlex
 
     from rich.markup import escape
+
+    from areal_cli import console as _console
+
+    if json_out:
+        _console.print_json(plan.to_json())
+        return
+    console = _console.out
 
     console.print(
         f"[bold]plan[/] {plan.experiment}/{plan.trial} ({plan.kind})\n"

@@ -19,8 +19,8 @@ from ._common import (
     load_config,
     pick,
     python_default,
-    render_plan,
     run_foreground,
+    show_plan,
 )
 
 CONFIG_KEYS = {
@@ -163,10 +163,7 @@ def register(app: typer.Typer) -> None:
         home_dir, reg_root = settings.home(home), settings.registry_root(registry)
         plan = planner.plan(spec, home_dir, reg_root, check_packages=not dry_run)
         if dry_run:
-            if json_out:
-                console.print_json(plan.to_json())
-            else:
-                render_plan(plan, console.out)
+            show_plan(plan, json_out)
             return
         if detach:
             _run_detached(plan, home_dir, json_out)

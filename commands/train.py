@@ -20,8 +20,8 @@ from ._common import (
     load_config,
     pick,
     python_default,
-    render_plan,
     run_foreground,
+    show_plan,
 )
 
 CONFIG_KEYS = {
@@ -250,10 +250,7 @@ def register(app: typer.Typer) -> None:
         )
         plan = planner.plan(spec, home_dir, reg_root, check_packages=not dry_run)
         if dry_run:
-            if json_out:
-                console.print_json(plan.to_json())
-            else:
-                render_plan(plan, console.out)
+            show_plan(plan, json_out)
             return
         run_foreground(plan, home_dir)
 
