@@ -19,8 +19,7 @@ from areal_cli.spec import Plan
 def spawn_detached(plan: Plan, home: Path) -> subprocess.Popen:
     """Start `python -m areal_cli.supervisor` in a session of its own."""
     jobs.refuse_if_running(home, plan.experiment, plan.trial, plan.kind)
-    record = jobs.record_path(home, plan.experiment, plan.trial, plan.kind)
-    job_dir = record.parent
+    job_dir = jobs.record_path(home, plan.experiment, plan.trial, plan.kind).parent
     settings.ensure_dir(job_dir)
     settings.ensure_dir(plan.log_dir)
     plan_file = job_dir / f".{jobs.slot(plan.kind)}-plan.json"

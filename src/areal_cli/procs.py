@@ -57,13 +57,12 @@ def tree(pids: Iterable[int]) -> list[psutil.Process]:
 def find_marked(marker: str) -> list[psutil.Process]:
     """Every live process whose environment carries this job's marker."""
     me = os.getpid()
-    needle = f"{marker}"
     hits = []
     for p in psutil.process_iter(["pid"]):
         if p.pid == me:
             continue
         try:
-            if p.environ().get(MARKER_ENV) == needle:
+            if p.environ().get(MARKER_ENV) == marker:
                 hits.append(p)
         except (psutil.Error, OSError):
             continue

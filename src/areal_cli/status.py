@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from areal_cli import jobs, procs, settings
+from areal_cli import discovery, jobs, procs, settings
 from areal_cli.errors import UsageError
 from areal_cli.registry import FileRegistry
-from areal_cli.supervisor import probe_health
 
 LIVE = jobs.LIVE
 
@@ -32,7 +30,7 @@ def job_statuses(home: Path, include_ended: bool = False) -> list[dict]:
         for p in rec.processes:
             if p.role == "server" and p.addr and rec.host == here:
                 probes.append(p.addr)
-    health = _probe_all(probes)
+    health = discovery.healthy(probes, timeout=1.0)
     result = []
     for rec, state in out:
         servers = [
@@ -62,18 +60,6 @@ def job_statuses(home: Path, include_ended: bool = False) -> list[dict]:
                        "state": "corrupt", "pids": [], "servers": [], "started": 0.0,
                        "message": "unreadable job record"})  # fmt: skip
     return result
-
-
-def _probe_all(addrs: list[str]) -> dict[str, bool]:
-    if not addrs:
-        return {}
-
-    def one(addr: str) -> bool:
-        host, _, port = addr.rpartition(":")
-        return probe_health(host, int(port), "/health", None, timeout=1.0)
-
-    with ThreadPoolExecutor(max_workers=min(16, len(addrs))) as ex:
-        return dict(zip(addrs, ex.map(one, addrs), strict=True))
 
 
 def stop_job(home: Path, rec: jobs.JobRecord, timeout: float, registry_root: Path) -> dict:
