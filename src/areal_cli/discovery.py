@@ -10,8 +10,8 @@ from pathlib import Path
 
 from areal_cli import jobs
 from areal_cli.errors import UsageError, WaitTimeout
+from areal_cli.health import probe_health
 from areal_cli.registry import FileRegistry, ServerEntry
-from areal_cli.supervisor import probe_health
 
 
 @dataclass(frozen=True)

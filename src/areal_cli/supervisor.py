@@ -11,7 +11,6 @@ Run as `python -m areal_cli.supervisor PLAN.json --home H` it is the daemon behi
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import re
@@ -27,6 +26,7 @@ from pathlib import Path
 
 from areal_cli import jobs, procs, settings
 from areal_cli.errors import EXIT_INTERRUPTED, ArealError, LaunchError, UsageError, WaitTimeout
+from areal_cli.health import probe_health
 from areal_cli.registry import FileRegistry, ServerEntry, server_id
 from areal_cli.spec import Plan, ProcessPlan
 
@@ -117,24 +117,6 @@ def describe_exit(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
-
-
-def probe_health(
-    host: str, port: int, path: str, api_key: str | None, timeout: float = 2.0
-) -> bool:
-    conn = http.client.HTTPConnection(_connect_host(host), port, timeout=timeout)
-    try:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        conn.request("GET", path, headers=headers)
-        return conn.getresponse().status == 200
-    except (OSError, http.client.HTTPException):
-        return False
-    finally:
-        conn.close()
-
-
-def _connect_host(host: str) -> str:
-    return "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
 
 
 def advertised_host(host: str) -> str:
