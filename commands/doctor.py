@@ -552,9 +552,10 @@ def mesh_cmd(
 ) -> None:
     """Every rank's coordinate per mesh dimension and the ranks of each process group.
 
-    Order, outermost to innermost: pp, dp, cp, tp (tp innermost, as torchtitan builds its
-    DeviceMesh): rank = ((pp·D + dp)·C + cp)·T + tp. Tensor-parallel groups are consecutive
-    ranks, so they stay on one node. FSDP shards over dp×cp (shown as dp_cp when c > 1).
+    Exactly the mesh the workers build (areal_cli.worker.connect). Order, outermost to
+    innermost: pp, dp, cp, tp, as torchtitan builds its DeviceMesh; dp is always there,
+    the others when larger than 1. Tensor-parallel groups are consecutive ranks, so they
+    stay on one node. FSDP shards over dp, or dp_cp (dp and cp flattened) when c > 1.
 
     \b
     Examples:
@@ -569,10 +570,10 @@ def mesh_cmd(
         return
     from rich.table import Table
 
-    dims = [d for d, _ in m.dims]
+    dims = m.names
     out.print(
         f"[bold]{m.component}[/] · world size {m.world_size} · "
-        + " × ".join(f"{d}={s}" for d, s in m.dims)
+        + " × ".join(f"{d}={s}" for d, s in m.dims.mesh_dims)
         + " · order outermost→innermost: "
         + ", ".join(dims)
     )

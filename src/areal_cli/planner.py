@@ -16,6 +16,8 @@ from pathlib import Path
 
 from areal_cli import backends, gpus, jobs, procs, settings
 from areal_cli.errors import UsageError
+from areal_cli.launchers import torchrun
+from areal_cli.parallel import MESH_ENV, ParallelDims
 from areal_cli.registry import FileRegistry
 from areal_cli.spec import JobSpec, Plan, ProcessPlan, ServerRole, TrainerRole
 
@@ -164,7 +166,6 @@ def _plan_trainer(p, spec: JobSpec, t: TrainerRole, inventory, free, held, log_d
             hint="lower d/t/c, or set AREAL_MAX_CPU_RANKS if you really mean it",
         )
     slice_ = free[: t.nproc] if on_gpu else []
-    master_port = t.master_port or procs.free_ports(1, "127.0.0.1", start=29500)[0]
     if p.servers:
         addrs = [s.addr for s in p.servers]
         backend, key = p.servers[0].backend, p.api_key
@@ -175,14 +176,18 @@ def _plan_trainer(p, spec: JobSpec, t: TrainerRole, inventory, free, held, log_d
     script_args = list(t.script_args)
     if t.areal_overrides:
         script_args += areal_overrides(spec, backend, len(addrs), p.registry)
-    argv = [t.python or sys.executable, "-m", "torch.distributed.run"]
-    argv += ["--nnodes", str(t.nnodes), "--node-rank", str(t.node_rank)]
-    argv += ["--nproc-per-node", str(t.nproc)]
-    argv += ["--master-addr", t.master_addr, "--master-port", str(master_port)]
-    # Per-rank output comes back through torchrun's stdout with a [defaultN]: prefix,
-    # which the supervisor splits into one log file per rank.
-    argv += ["--tee", "3", "--log-dir", str(Path(p.log_dir) / "torchrun")]
-    argv += [t.script, *script_args]
+    if t.nnodes == 1 and t.master_port is None:
+        rdzv = torchrun.Rendezvous()  # the OS picks the port: no race with other jobs
+    else:
+        endpoint = f"{t.master_addr}:{t.master_port or torchrun.DEFAULT_PORT}"
+        rdzv = torchrun.Rendezvous(t.nnodes, t.node_rank, endpoint, backend="static")
+    argv = torchrun.argv(
+        t.python or sys.executable,
+        t.nproc,
+        [t.script, *script_args],
+        rendezvous=rdzv,
+        log_dir=Path(p.log_dir) / "torchrun",
+    )
     p.processes.append(
         ProcessPlan(
             role="trainer",
@@ -204,6 +209,7 @@ def worker_env(spec, t: TrainerRole, p: Plan, addrs, backend, key, visible: str)
         "AREAL_EXPERIMENT": spec.experiment,
         "AREAL_TRIAL": spec.trial,
         "AREAL_ALLOC": t.alloc,
+        MESH_ENV: ParallelDims.from_alloc(t.alloc).to_env(),
         "AREAL_LOG_DIR": p.log_dir,
         "CUDA_VISIBLE_DEVICES": visible,
         "CUDA_DEVICE_MAX_CONNECTIONS": "1",
@@ -213,7 +219,7 @@ def worker_env(spec, t: TrainerRole, p: Plan, addrs, backend, key, visible: str)
         ),
         "PYTHONUNBUFFERED": "1",
         # Global ranks in torchrun's line prefix, so per-rank logs are right on every node.
-        "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:",
+        **torchrun.LINE_PREFIX_ENV,
     }
     if backend == "sglang":
         # NCCL's cuMem allocator and NVLink SHARP clash with SGLang's in the same job.

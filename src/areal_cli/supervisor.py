@@ -27,13 +27,12 @@ from pathlib import Path
 from areal_cli import jobs, procs, settings
 from areal_cli.errors import EXIT_INTERRUPTED, ArealError, LaunchError, UsageError, WaitTimeout
 from areal_cli.health import probe_health
+from areal_cli.launchers import torchrun
 from areal_cli.registry import FileRegistry, ServerEntry, server_id
 from areal_cli.spec import Plan, ProcessPlan
 
 HEARTBEAT_EVERY = 5.0
 TAIL_LINES = 20
-# torchrun --tee prefixes each worker line with "[<role><local_rank>]:"
-RANK_PREFIX = re.compile(rb"^\[(?:default|rank)(\d+)\]:")
 
 EventFn = Callable[[str, dict], None]
 LineFn = Callable[[str, str], None]
@@ -86,16 +85,16 @@ class _Proc:
         try:
             for raw in iter(self.popen.stdout.readline, b""):
                 label, path, body = self.label, main_log, raw
-                m = RANK_PREFIX.match(raw) if self.plan.role == "trainer" else None
-                if m:
-                    rank = int(m.group(1))
+                rank = None
+                if self.plan.role == "trainer":
+                    rank, body = torchrun.split_rank(raw)
+                if rank is not None:
                     label, path = f"rank-{rank}", os.path.join(log_dir, f"rank-{rank}.log")
-                    body = raw[m.end() :]
                 self._file(path).write(body)
                 text = body.decode(errors="replace").rstrip("\n")
                 (
-                    self.rank_tails.setdefault(int(m.group(1)), deque(maxlen=TAIL_LINES))
-                    if m
+                    self.rank_tails.setdefault(rank, deque(maxlen=TAIL_LINES))
+                    if rank is not None
                     else self.tail
                 ).append(text)
                 if self._on_line:
@@ -213,7 +212,27 @@ class Supervisor:
         for p in self.plan.trainers:
             self._spawn(p)
             self._set_state("running")
+            self._record_rendezvous(self.procs[-1])
         return self._watch()
+
+    def _record_rendezvous(self, proc: _Proc) -> None:
+        """A standalone torchrun binds the port the OS gave it: record it in the job record,
+        where other jobs planning on this host count it as taken."""
+        if "--standalone" not in proc.plan.argv:
+            return
+        port: list[int] = []
+
+        def bound() -> bool:
+            found = torchrun.rendezvous_port(proc.popen.pid)
+            if found:
+                port.append(found)
+            return bool(port) or proc.exit_code() is not None or self.stop_requested.is_set()
+
+        procs.wait_until(bound, timeout=60.0, cap=0.1)
+        if port:
+            rec = next(r for r in self.record.processes if r.pid == proc.popen.pid)
+            rec.addr = f"127.0.0.1:{port[0]}"
+            jobs.write(self.home, self.record)
 
     def _spawn(self, p: ProcessPlan) -> None:
         Path(p.log_path).parent.mkdir(parents=True, exist_ok=True)

@@ -154,7 +154,7 @@ def test_mesh_fsdp_d2t2():
     assert res.returncode == 0
     data = json.loads(res.stdout)
     assert data["world_size"] == 4
-    assert [d["name"] for d in data["dims"]] == ["dp", "cp", "tp"]
+    assert [d["name"] for d in data["dims"]] == ["dp", "tp"]
     assert data["groups"]["tp"] == [[0, 1], [2, 3]] and data["groups"]["dp"] == [[0, 2], [1, 3]]
     res = doctor("mesh", "--alloc", "fsdp:d2t2")
     assert re.search(r"tp groups: \[0 1\]\s+\[2 3\]", res.stdout)

@@ -58,19 +58,18 @@ def test_training_only_alloc_finds_registered_servers(served, tmp_path):
     assert "rank 1 recorded" in open(os.path.join(log_dir, "rank-1.log")).read()
 
 
-def test_areal_overrides_and_debug_preset(served, tmp_path):
-    rec = tmp_path / "rec"
-    rec.mkdir()
-    areal("train", "--alloc", "fsdp:d1", "--areal-overrides", "--debug-preset", "hang", SCRIPT,
-          "--config", "x.yaml", env={"RECORD_DIR": str(rec)}, check=0, timeout=120)  # fmt: skip
-    (r0,) = records(rec, 1)
-    argv = r0["argv"]
+def test_areal_overrides_and_debug_preset(served):
+    # What reaches the workers is in the plan: no torchrun needed to check it.
+    plan = json.loads(areal("train", "--alloc", "fsdp:d1", "--areal-overrides", "--debug-preset",
+                            "hang", "--dry-run", "--json", SCRIPT, "--config", "x.yaml", check=0).stdout)  # fmt: skip
+    (tr,) = plan["processes"]
+    argv = tr["argv"][tr["argv"].index(SCRIPT) + 1 :]
     assert argv[:2] == ["--config", "x.yaml"]
     assert "allocation_mode=hf:d2+fsdp:d1" in argv
     assert "cluster.name_resolve.type=nfs" in argv
     assert f"cluster.name_resolve.nfs_record_root={os.environ['AREAL_REGISTRY']}" in argv
     assert "rollout.experiment_name=default" in argv and "rollout.trial_name=trial0" in argv
-    assert r0["env"].get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL"
+    assert tr["env"].get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL"
 
 
 def test_failing_rank_is_the_root_cause(served, tmp_path):
@@ -155,6 +154,9 @@ def test_dry_run_prints_torchrun_and_starts_nothing(served):
     )
     (tr,) = plan["processes"]
     assert tr["argv"][1:3] == ["-m", "torch.distributed.run"] and "--nproc-per-node" in tr["argv"]
+    # One node: the OS picks the rendezvous port when torchrun binds it, so no plan holds one.
+    assert "--standalone" in tr["argv"] and "--master-port" not in tr["argv"]
+    assert tr["env"]["AREAL_MESH"] == "pp=1,dp=2,cp=1,tp=1"
     assert tr["env"]["AREAL_LLM_SERVER_ADDRS"]
     assert os.path.dirname(tr["argv"][0]) == os.path.dirname(sys.executable)
 
@@ -164,3 +166,24 @@ def test_module_entry_point_goes_to_torchrun_as_dash_m():
                             "--json", "--", "-m", "pkg.train", "--config", "x.yaml", check=0).stdout)  # fmt: skip
     argv = plan["processes"][0]["argv"]
     assert argv[-4:] == ["-m", "pkg.train", "--config", "x.yaml"]
+
+
+def test_two_jobs_started_at_once_both_run(areal_env, tmp_path):
+    """Each job's torchrun binds a port the OS chose, recorded in its job record."""
+    env = {**os.environ, "COLUMNS": "200"}
+    procs_ = [
+        subprocess.Popen([AREAL, "train", "--alloc", "fsdp:d2", "--servers", "none", "--trial",
+                          f"t{i}", SCRIPT], env={**env, "RECORD_DIR": str(tmp_path)},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)
+    ]  # fmt: skip
+    outs = [p.communicate(timeout=180)[0] for p in procs_]
+    for p, out in zip(procs_, outs, strict=True):
+        assert p.returncode == 0, out
+    home = areal_env[0]
+    ports = set()
+    for i in range(2):
+        (rec,) = home.glob(f"jobs/*/default/t{i}/train.json")
+        (torchrun,) = json.loads(rec.read_text())["processes"]
+        ports.add(torchrun["addr"])
+    assert len(ports) == 2 and all(a.startswith("127.0.0.1:") for a in ports)

@@ -20,9 +20,7 @@ import psutil
 import pytest
 from helpers_server import HfServer
 
-from areal_cli.errors import UsageError
 from areal_cli.modelgen import create_tiny_model
-from areal_cli.worker.runtime import train_dims
 
 LR = 1e-3
 BATCH_SEED = 1234
@@ -233,13 +231,3 @@ def test_sync_weights_reaches_the_running_server(job, server):
         logp = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
     expected = [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(out["output_ids"])]
     assert served == pytest.approx(expected, abs=1e-4)
-
-
-def test_train_dims_follow_the_training_component():
-    assert train_dims(None, 4) == {"dp": 4}
-    assert train_dims("fsdp:d2", 2) == {"dp": 2}
-    assert train_dims("sglang:d2t2+fsdp:d2t2c2", 8) == {"dp": 2, "tp": 2, "cp": 2}
-    assert train_dims("sglang:d1", 3) == {"dp": 3}
-    with pytest.raises(UsageError) as info:
-        train_dims("fsdp:d4", 2)
-    assert "--nproc-per-node 4" in (info.value.hint or "")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from areal_cli import procs
 from areal_cli.errors import LaunchError, UsageError
+from areal_cli.launchers import torchrun
 
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 DEFAULT_SIZES = {"nccl": "1K:256M", "gloo": "1K:16M"}
@@ -179,7 +179,6 @@ def run(
     tmp = Path(tempfile.mkdtemp(prefix="areal-allreduce-"))
     results_file = tmp / "rows.jsonl"
     marker = f"allreduce-{uuid.uuid4().hex[:12]}"
-    port = procs.free_ports(1, start=random.randint(20000, 40000))[0]
     env = {
         **os.environ,
         procs.MARKER_ENV: marker,
@@ -190,16 +189,7 @@ def run(
     env.pop(FORCE_HANG_ENV, None)
     if force_hang:
         env[FORCE_HANG_ENV] = "1"
-    argv = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(port),
+    repro = [
         str(script_path()),
         "--backend",
         backend,
@@ -213,6 +203,7 @@ def run(
         "--pg-timeout",
         str(timeout + 600),
     ]
+    argv = torchrun.argv(sys.executable, nproc, repro, rendezvous=torchrun.Rendezvous())
     started = time.monotonic()
     proc = procs.spawn(argv, env=env, stdout=subprocess.PIPE)
     output: list[str] = []

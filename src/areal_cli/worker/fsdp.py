@@ -37,7 +37,8 @@ def shard_model(
     reduce_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
 ) -> torch.nn.Module:
-    """`fully_shard` every transformer block and then the root, over the mesh's dp dimension.
+    """`fully_shard` every transformer block and then the root, over the mesh's dp dimension
+    (dp and cp flattened into dp_cp when the mesh has cp; see areal_cli.parallel).
 
     Blocks first, so each block's parameters are gathered just before it runs and freed
     after; the root unit then holds what is left (embeddings, final norm, output head), which
@@ -45,8 +46,12 @@ def shard_model(
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    dp_mesh = mesh["dp"] if mesh.ndim > 1 else mesh
-    kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
+    from areal_cli.parallel import fsdp_mesh
+
+    kwargs: dict[str, Any] = {
+        "mesh": fsdp_mesh(mesh),
+        "reshard_after_forward": reshard_after_forward,
+    }
     if param_dtype is not None or reduce_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=param_dtype, reduce_dtype=reduce_dtype

@@ -6,6 +6,7 @@
     AREAL_SERVER_BACKEND    sglang | vllm | hf
     AREAL_API_KEY           when the servers want one
     AREAL_ALLOC             the allocation, e.g. "fsdp:d2" or "sglang:d1+fsdp:d2t2"
+    AREAL_MESH              its training mesh, e.g. "pp=1,dp=2,cp=1,tp=2" (areal_cli.parallel)
     AREAL_LOG_DIR           the job's log folder
     AREAL_EXPERIMENT, AREAL_TRIAL, AREAL_REGISTRY
 
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from areal_cli import settings
 from areal_cli.errors import UsageError
+from areal_cli.parallel import ParallelDims, fsdp_mesh
 
 if TYPE_CHECKING:
     import torch
@@ -39,7 +41,8 @@ class WorkerContext:
     world_size: int
     local_rank: int
     device: torch.device
-    mesh: DeviceMesh
+    mesh: DeviceMesh  # dims in ParallelDims order: pp, dp, cp, tp (dp always, others when > 1)
+    dims: ParallelDims
     servers: list[str]
     backend: str
     api_key: str | None
@@ -54,7 +57,12 @@ class WorkerContext:
 
     @property
     def dp_mesh(self) -> DeviceMesh:
-        return self.mesh["dp"] if self.mesh.ndim > 1 else self.mesh
+        return self.mesh["dp"]
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """What FSDP shards over: dp, or dp and cp flattened (dp_cp) when c > 1."""
+        return fsdp_mesh(self.mesh)
 
     @property
     def dp_rank(self) -> int:
@@ -119,30 +127,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_dims(alloc: str | None, world_size: int) -> dict[str, int]:
-    """Mesh shape for the trainer: {"dp": d, "tp": t, "cp": c} from the allocation.
-
-    Without an allocation every rank is data parallel. Dims of size one are dropped, except
-    dp, which is always there so code can ask for `mesh["dp"]`.
-    """
-    if not alloc:
-        return {"dp": world_size}
-    from areal_cli.alloc import parse
-
-    component = parse(alloc).train
-    if component is None:
-        return {"dp": world_size}
-    dims = {"dp": component.d, "tp": component.t, "cp": component.c}
-    if component.world_size != world_size:
-        raise UsageError(
-            f"allocation {alloc!r} wants {component.world_size} training ranks "
-            f"but this job has WORLD_SIZE={world_size}",
-            hint=f"launch with --nproc-per-node {component.world_size} "
-            "(`areal train` does this from --alloc)",
-        )
-    return {"dp": dims["dp"], **{k: v for k, v in dims.items() if k != "dp" and v > 1}}
-
-
 def connect(*, timeout_s: float = 600.0) -> WorkerContext:
     """Join the job: init the process group and device mesh, read the servers. Idempotent."""
     global _CONTEXT
@@ -153,7 +137,6 @@ def connect(*, timeout_s: float = 600.0) -> WorkerContext:
 
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     rank = _env_int("RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
@@ -165,7 +148,7 @@ def connect(*, timeout_s: float = 600.0) -> WorkerContext:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
     alloc = os.environ.get("AREAL_ALLOC") or None
-    dims = train_dims(alloc, world_size)
+    dims = ParallelDims.from_env(os.environ, world_size)
 
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
@@ -183,7 +166,7 @@ def connect(*, timeout_s: float = 600.0) -> WorkerContext:
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-    mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+    mesh = dims.build_mesh(device_type)
 
     servers = [a.strip() for a in os.environ.get("AREAL_LLM_SERVER_ADDRS", "").split(",")]
     backend = os.environ.get("AREAL_SERVER_BACKEND") or "sglang"
@@ -195,6 +178,7 @@ def connect(*, timeout_s: float = 600.0) -> WorkerContext:
         local_rank=local_rank,
         device=device,
         mesh=mesh,
+        dims=dims,
         servers=[a for a in servers if a],
         backend=backend,
         api_key=os.environ.get("AREAL_API_KEY") or None,

@@ -1,0 +1,1 @@
+"""How workers are launched on a node (torchrun), shared by every scheduler and the doctor."""
