@@ -45,6 +45,7 @@ def ps(
             "no jobs" + ("" if all_ else " running (areal ps --all shows ended ones)")
         )
         return
+    from rich.markup import escape
     from rich.table import Table
 
     t = Table()
@@ -59,7 +60,7 @@ def ps(
         gpus_ = ",".join(str(g) for s in j["servers"] for g in s.get("gpus", [])) or "cpu"
         state_color = {"running": "green", "failed": "red", "dead": "red"}.get(j["state"], "yellow")
         t.add_row(
-            j["name"], j["kind"], f"[{state_color}]{j['state']}[/]", _age(j["started"]),
+            j["name"] + (f"\n[dim]{escape(j['model'])}[/]" if j.get("model") else ""), j["kind"], f"[{state_color}]{j['state']}[/]", _age(j["started"]),
             " ".join(map(str, j["pids"])), servers or "-", gpus_,
         )  # fmt: skip
     console.out.print(t)

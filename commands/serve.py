@@ -57,7 +57,9 @@ def register(app: typer.Typer) -> None:
     )
     def serve(
         ctx: typer.Context,
-        model: str = typer.Option(None, "--model", "-m", help="Model directory."),
+        model: str = typer.Option(
+            None, "--model", "-m", help="Model directory or hub id (org/name[@revision])."
+        ),
         backend: str = typer.Option(
             None,
             "--backend",
@@ -105,7 +107,7 @@ def register(app: typer.Typer) -> None:
         ),
         json_out: bool = JsonOpt,
     ) -> None:
-        from areal_cli import planner
+        from areal_cli import models, planner
         from areal_cli.alloc import parse
         from areal_cli.spec import JobSpec, ServerRole
 
@@ -113,6 +115,7 @@ def register(app: typer.Typer) -> None:
         model = pick(model, cfg, "model", None)
         if not model:
             raise UsageError("--model is required", hint="areal serve --model /path/to/model")
+        ref = models.parse(str(model))
         alloc = pick(alloc, cfg, "alloc", None)
         backend = pick(backend, cfg, "backend", None)
         dp, tp = pick(dp, cfg, "dp", None), pick(tp, cfg, "tp", None)
@@ -140,7 +143,8 @@ def register(app: typer.Typer) -> None:
         extra = list(ctx.args) or cfg.get("extra_args", [])
         role = ServerRole(
             backend=backend,
-            model_path=str(Path(model).expanduser().resolve()),
+            model_path=ref.name,
+            revision=ref.revision,
             replicas=dp or 1,
             tp=tp or 1,
             pp=pp,

@@ -126,7 +126,7 @@ def register(app: typer.Typer) -> None:
         ),
         json_out: bool = JsonOpt,
     ) -> None:
-        from areal_cli import discovery, planner
+        from areal_cli import discovery, models, planner
         from areal_cli.alloc import parse
         from areal_cli.registry import FileRegistry
         from areal_cli.spec import JobSpec, ServerRole, TrainerRole
@@ -195,8 +195,9 @@ def register(app: typer.Typer) -> None:
                 raise UsageError(
                     f"--alloc {alloc} starts {comp.backend} servers: --model is required"
                 )
+            ref = models.parse(str(model))
             server_role = ServerRole(
-                backend=comp.backend, model_path=str(Path(model).expanduser().resolve()),
+                backend=comp.backend, model_path=ref.name, revision=ref.revision,
                 replicas=comp.d, tp=comp.t, pp=comp.p, python=py,
             )  # fmt: skip
         else:

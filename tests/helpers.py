@@ -12,12 +12,18 @@ AREAL = str(Path(sys.executable).parent / "areal")
 FAKE_PYTHON = str(REPO / "tests" / "fixtures" / "fake_python.py")
 
 
-def areal(*args: str, env: dict | None = None, timeout: float = 60, check: int | None = None):
+def areal(
+    *args: str,
+    env: dict | None = None,
+    timeout: float = 60,
+    check: int | None = None,
+    cwd: str | Path | None = None,
+):
     """Run `areal ARGS`; returns CompletedProcess with text stdout/stderr."""
     full_env = {**os.environ, "FAKE_REAL_PYTHON": sys.executable, "COLUMNS": "200"}
     full_env.update(env or {})
     res = subprocess.run(
-        [AREAL, *args], capture_output=True, text=True, timeout=timeout, env=full_env
+        [AREAL, *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd
     )
     if check is not None:
         assert res.returncode == check, (

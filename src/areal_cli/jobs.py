@@ -31,7 +31,7 @@ class ProcessRecord:
     pid: int
     argv: list[str]
     log: str
-    addr: str | None = None  # host:port for servers
+    addr: str | None = None  # host:port it listens on: a server's HTTP, torchrun's rendezvous
     gpus: list[int] = field(default_factory=list)
     create_time: float | None = None
     exit_code: int | None = None
@@ -51,6 +51,7 @@ class JobRecord:
     log_dir: str
     registry: str
     alloc: str | None = None
+    model: str | None = None  # what the servers serve, as given (a directory or a hub id)
     processes: list[ProcessRecord] = field(default_factory=list)
     api_key_file: str | None = None
     message: str | None = None  # why it failed or stopped

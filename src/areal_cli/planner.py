@@ -93,7 +93,9 @@ def plan(spec: JobSpec, home: Path, registry_root: Path, check_packages: bool = 
             p.api_key = key
             p.api_key_file = str(job_dir / "api_key")
         free = _plan_servers(p, role, inventory, free, held, log_dir, check_packages, busy_ports)
-        p.model_path, p.tp = role.model_path, role.tp
+        # As the user gave it (a hub id stays a hub id), for the registry and `areal ps`.
+        p.model_path = role.model_path + (f"@{role.revision}" if role.revision else "")
+        p.tp = role.tp
     if spec.trainer:
         _plan_trainer(p, spec, spec.trainer, inventory, free, held, log_dir)
     return p
@@ -101,11 +103,6 @@ def plan(spec: JobSpec, home: Path, registry_root: Path, check_packages: bool = 
 
 def _plan_servers(p, role: ServerRole, inventory, free, held, log_dir, check_packages, busy_ports):
     backend = backends.get(role.backend)
-    if not Path(role.model_path).exists():
-        raise UsageError(
-            f"model path {role.model_path} does not exist",
-            hint="give a local model directory; `areal init-model DIR` writes a tiny one",
-        )
     on_gpu = bool(inventory.gpus)
     need = role.replicas * role.gpus_per_replica
     if backend.needs_gpu and not on_gpu:

@@ -14,7 +14,7 @@ class ServerRole:
     """d replicas of one inference backend, each on gpus_per_replica GPUs."""
 
     backend: str  # sglang | vllm | hf
-    model_path: str
+    model_path: str  # an absolute local directory or a hub id (see areal_cli.models)
     replicas: int
     tp: int = 1
     pp: int = 1
@@ -24,6 +24,7 @@ class ServerRole:
     extra_args: tuple[str, ...] = ()
     seed: int = 1
     name: str | None = None
+    revision: str | None = None  # of a hub id
 
     @property
     def gpus_per_replica(self) -> int:

@@ -52,6 +52,7 @@ def job_statuses(home: Path, include_ended: bool = False) -> list[dict]:
             "started": rec.started,
             "log_dir": rec.log_dir,
             "alloc": rec.alloc,
+            "model": rec.model,
             "message": rec.message,
         }
         result.append(d)

@@ -441,6 +441,7 @@ class Supervisor:
             log_dir=self.plan.log_dir,
             registry=self.plan.registry,
             alloc=self.plan.alloc,
+            model=self.plan.model_path,
             api_key_file=self.plan.api_key_file,
         )
         jobs.write(self.home, self.record)

@@ -31,6 +31,7 @@ class SGLang(Backend):
         # Documented CLI: python -m sglang.launch_server --model-path --host --port --tp-size
         # --mem-fraction-static --random-seed --base-gpu-id (base 0: we slice CUDA_VISIBLE_DEVICES).
         cmd = [role.python, "-m", "sglang.launch_server", "--model-path", role.model_path]
+        cmd += _revision(role)
         cmd += ["--host", role.host, "--port", str(port), "--tp-size", str(role.tp)]
         if role.pp > 1:
             cmd += ["--pp-size", str(role.pp)]
@@ -48,6 +49,7 @@ class VLLM(Backend):
         # --pipeline-parallel-size --gpu-memory-utilization --seed --api-key
         vllm = str(Path(role.python).parent / "vllm")
         cmd = [vllm, "serve", role.model_path, "--host", role.host, "--port", str(port)]
+        cmd += _revision(role)
         cmd += ["--tensor-parallel-size", str(role.tp)]
         if role.pp > 1:
             cmd += ["--pipeline-parallel-size", str(role.pp)]
@@ -62,6 +64,7 @@ class VLLM(Backend):
 class HF(Backend):
     def argv(self, role, port, api_key, on_gpu):
         cmd = [role.python, "-m", "areal_cli.server", "--model-path", role.model_path]
+        cmd += _revision(role)
         cmd += ["--host", role.host, "--port", str(port), "--seed", str(role.seed)]
         cmd += ["--device", "cuda" if on_gpu else "cpu"]
         if api_key:
@@ -120,3 +123,9 @@ def check_installed(backend: Backend, python: str) -> None:
 
 def _has_flag(args: tuple[str, ...], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def _revision(role: ServerRole) -> list[str]:
+    # sglang 0.5.23 (srt/arg_groups/fields/model.py `revision`), vLLM and our hf server all
+    # take --revision for a hub id.
+    return ["--revision", role.revision] if role.revision else []

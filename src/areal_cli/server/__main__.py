@@ -29,7 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Reference inference server (transformers, CPU or one GPU) speaking the "
         "SGLang-native HTTP subset plus OpenAI /v1/completions.",
     )
-    p.add_argument("--model-path", required=True, help="HF checkpoint directory")
+    p.add_argument("--model-path", required=True, help="HF checkpoint directory or hub id")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
@@ -49,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=5.0,
         help="how long the first request of a batch waits for company",
     )
+    p.add_argument("--revision", default=None, help="branch, tag or commit of a hub id")
     p.add_argument("--served-model-name", default=None, help="model id for /v1 (default: path)")
     return p.parse_args(argv)
 
@@ -61,7 +62,11 @@ async def serve(args: argparse.Namespace) -> int:
     from areal_cli.server.engine import Engine
 
     engine = Engine(
-        args.model_path, device=args.device, dtype=args.dtype, cpu_threads=args.cpu_threads
+        args.model_path,
+        device=args.device,
+        dtype=args.dtype,
+        cpu_threads=args.cpu_threads,
+        revision=args.revision,
     )
     torch_worker = TorchWorker()
     batcher = Batcher(

@@ -108,8 +108,11 @@ class Engine:
         device: str = "auto",
         dtype: str = "auto",
         cpu_threads: int | None = None,
+        revision: str | None = None,
     ):
+        # A local directory or a hub id, which transformers resolves from its cache or the hub.
         self.model_path = str(model_path)
+        self.revision = revision
         self.weights_path = self.model_path
         self.requested_device = device
         self.requested_dtype = dtype
@@ -138,8 +141,9 @@ class Engine:
             raise FileNotFoundError(f"no such model directory: {local}")
         self.device = _pick_device(self.requested_device)
         self.dtype = _pick_dtype(self.requested_dtype, self.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        model = _from_pretrained(self.model_path, self.dtype).to(self.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, revision=self.revision)
+        model = _from_pretrained(self.model_path, self.dtype, revision=self.revision)
+        model = model.to(self.device)
         model.eval()
         self.model = model
 
