@@ -6,7 +6,7 @@ import typer
 
 HELP = """Explain an allocation string: its components, parallel dims and GPU count.
 
-[bold]Grammar[/]: backend\\[name]:dims, joined by [bold]+[/] (separate GPUs) or [bold]|[/] (shared GPUs, names required). Inference backends sglang, vllm, hf take d (replicas), t, p; fsdp takes d, t, c; megatron and archon take d, t, p, c, e. World size = d·t·p·c.
+[bold]Grammar[/]: AReaL's. backend\\[name]:dims, joined by [bold]+[/] (separate GPUs) or [bold]|[/] (shared GPUs, names required). Inference backends sglang, vllm, hf take d (replicas), t, p; fsdp takes d, t, c (p and e only as 1); megatron and archon take d, t, p, c, e. World size = d·t·p·c.
 
 [bold]Examples[/]
 

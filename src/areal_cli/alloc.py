@@ -1,26 +1,32 @@
 """Allocation strings: the one parser and validator for how a job spreads over GPUs.
 
-Grammar (AReaL-compatible):
+Grammar: AReaL's (`areal/api/alloc_mode.py`, ALLOCATION_GRAMMAR), plus the `hf` backend:
 
     expr      := component ("+" component)*     "+" = separate GPUs
     component := single ("|" single)*            "|" = colocated, binds tighter than "+"
     single    := INF ("[" name "]")? ":" dims     INF   = sglang | vllm | hf
                | TRAIN ("[" name "]")? ":" dims   TRAIN = fsdp | megatron | archon
-               | TRAIN ("[" name "]")? ":" "("? "attn:" dims "|" "ffn:" dims ")"?
+               | MOE ":" ("(" moe ")" | moe)      MOE   = megatron | archon
+    moe       := "attn:" dims "|" "ffn:" dims
     dims      := (d|t|p|c|e)N ...                N >= 1, no leading zero
 
     d data parallel (inference: server replicas) · t tensor · p pipeline · c context · e expert
 
 World size of a single is d·t·p·c (`e` adds no GPUs); missing dimensions are 1. Inference
-backends take d, t, p; fsdp takes d, t, c; megatron and archon take all five. The MoE form
-(megatron/archon only) gives attention dims d, t, p, c and expert (ffn) dims d, t, p, e: ffn p
-defaults to attn p and must equal it, ffn d defaults to attn_world / (ffn t·p·e).
+backends take d, t, p (c and e not even as 1); train backends take all five letters, but fsdp
+refuses p > 1 and e > 1 (`fsdp:d2p1t1` is fine). The MoE form (megatron/archon only, without a
+name) gives attention dims d, t, p, c and expert (ffn) dims d, t, p, e: ffn p defaults to attn
+p and must equal it, ffn d defaults to attn_world / (ffn t·p·e).
 
-Validation: an explicit backend is required; a dimension appears once per single; three or
-more singles need names; names are unique; every single in a "|" group has a name and the
-group shares one world size. Names match `[A-Za-z_][A-Za-z0-9_-]*`.
+Validation: an explicit backend is required; three or more singles need names; names are
+unique; every single in a "|" group has a name and the group shares one world size. Names
+match AReaL's `[A-Za-z_][A-Za-z0-9_]*`.
 
-Whitespace (ASCII) is allowed and ignored between any two tokens, as in AReaL's parser:
+Stricter than AReaL where it lets through a typo or a layout nothing uses: a dimension given twice (AReaL keeps the
+last), an unnamed first member of a "|" group (AReaL records a colocation with no target), a
+lone "(" or ")" around the MoE form, the MoE form under fsdp, sizes above a million.
+
+Whitespace (AReaL's: space, tab, CR, LF, FF) is allowed and ignored between any two tokens:
 `sglang : d4 t2 + fsdp : d 8` is fine. A token never contains it: a backend, a name, a
 keyword (`attn`, `ffn`) or a number is written without spaces inside.
 
@@ -44,20 +50,21 @@ BACKENDS = INFERENCE_BACKENDS + TRAIN_BACKENDS
 DIMS = "dtpce"
 _ALLOWED = {
     **dict.fromkeys(INFERENCE_BACKENDS, "dtp"),
-    "fsdp": "dtc",
-    "megatron": DIMS,
-    "archon": DIMS,
+    **dict.fromkeys(TRAIN_BACKENDS, DIMS),
 }
+# Letters fsdp reads but only as 1, as AReaL's ModelAllocation check does.
+_FSDP_ONLY_ONE = "pe"
 _ATTN_DIMS = "dtpc"
 _FFN_DIMS = "dtpe"
 _DIM_WORDS = {"d": "data", "t": "tensor", "p": "pipeline", "c": "context", "e": "expert"}
 # Sizes above this are typos, and capping digits keeps int() away from huge inputs.
 _MAX_DIM = 1_000_000
 
-_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
-_WS = " \t\r\n\f\v"
+_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# lark's common.WS, which AReaL's grammar ignores.
+_WS = " \t\r\n\f"
 # Dims without a backend (`d4t2`, AReaL's old colocated form); `m` was AReaL's tensor letter.
-_BARE_DIMS_RE = re.compile(r"(?:[dtpcem][ \t\r\n\f\v]*[0-9]+[ \t\r\n\f\v]*)+")
+_BARE_DIMS_RE = re.compile(r"(?:[dtpcem][ \t\r\n\f]*[0-9]+[ \t\r\n\f]*)+")
 
 
 class AllocError(UsageError):
@@ -314,7 +321,9 @@ class _Parser:
         self.pos = start + len(word)
 
         name, name_pos = None, self.pos
-        if self.skip_ws() == "[":
+        ch = self.skip_ws()
+        bracket = self.pos
+        if ch == "[":
             self.pos += 1
             self.skip_ws()
             name_pos = self.pos
@@ -323,10 +332,10 @@ class _Parser:
                 self.fail(
                     "expected a name inside '[ ]'",
                     self.pos,
-                    "names start with a letter or '_' and hold letters, digits, '_' and '-'",
+                    "names start with a letter or '_' and hold letters, digits and '_'",
                 )
             self.pos += len(name)
-            self.expect("]", "expected ']' after the name", f"write {backend}[{name}]:…")
+            self.name_end(backend, name)
 
         ch = self.skip_ws()
         if ch == ".":
@@ -338,8 +347,18 @@ class _Parser:
 
         ch = self.skip_ws()
         if ch == "(" or self.word_at(self.pos) == "attn":
+            if name is not None and backend in ("megatron", "archon"):
+                # AReaL's grammar has no named MoE form; its trainer would refuse this string.
+                self.fail(
+                    "the attn|ffn form takes no [name]",
+                    bracket,
+                    f"write {backend}:(attn:…|ffn:…), or name a plain one: "
+                    f"{backend}[{name}]:d2t2e2",
+                )
             return self.moe(start, backend, name, name_pos)
         dims = self.dims(backend, _ALLOWED[backend])
+        if backend == "fsdp":
+            self._check_fsdp(dims)
         single = _Single(start, backend, name, name_pos, _filled(dims))
         if single.dims["e"] > 1:
             # Megatron splits experts within one pipeline stage's data-parallel ranks.
@@ -352,6 +371,30 @@ class _Parser:
                     "expert parallel size must divide d·t·c",
                 )
         return single
+
+    def name_end(self, backend: str, name: str) -> None:
+        """Close `[name]`; a character stuck to the name (`actor-0`) is called out as such."""
+        pos = self.pos
+        ch = self.text[pos] if pos < len(self.text) else ""
+        if ch and ch not in _WS and ch not in "[]():+|":
+            # AReaL's NAME has no '-' or '.': suggest '_' in its place.
+            better = _NAME_RE.match(self.text.replace(ch, "_"), pos - len(name))
+            self.fail(
+                f"{ch!r} is not allowed in a name",
+                pos,
+                f"names hold letters, digits and '_': write {backend}[{better.group(0)}]:…",
+            )
+        self.expect("]", "expected ']' after the name", f"write {backend}[{name}]:…")
+
+    def _check_fsdp(self, dims: dict[str, tuple[int, int]]) -> None:
+        for letter, (size, pos) in dims.items():  # left to right
+            if letter in _FSDP_ONLY_ONE and size > 1:
+                self.fail(
+                    f"fsdp does not take {_DIM_WORDS[letter]} parallelism ({letter}{size})",
+                    pos,
+                    f"fsdp takes d, t and c ({letter}1 is fine); "
+                    "use megatron or archon for p and e",
+                )
 
     def _ends_component(self, pos: int) -> bool:
         while pos < len(self.text) and self.text[pos] in _WS:
@@ -470,10 +513,11 @@ class _Parser:
         if not digits.isascii():
             self.fail(f"bad size for {letter!r}", start, "sizes are written with digits 0-9")
         if digits.startswith("0"):
+            bare = digits.lstrip("0")
             self.fail(
                 f"size of {letter!r} must be a positive integer without leading zeros",
                 start,
-                f"write e.g. {letter}1 or {letter}{digits.lstrip('0') or '1'}",
+                f"write e.g. {letter}{bare}" if bare else f"write e.g. {letter}1",
             )
         value = int(digits[:8])
         if len(digits) > 7 or value > _MAX_DIM:
@@ -497,12 +541,6 @@ class _Parser:
                 f"{owner} does not take {what}",
                 pos,
                 "inference servers take d (replicas), t (tensor) and p (pipeline)",
-            )
-        if owner == "fsdp":
-            self.fail(
-                f"fsdp does not take {what}",
-                pos,
-                "fsdp takes d, t and c; use megatron or archon for p and e",
             )
         self.fail(
             f"the {owner} part does not take {what}",
@@ -531,10 +569,9 @@ class _Parser:
         options = []
         if {k for k, _ in pairs} <= set("dtp"):
             options.append(f"sglang:{dims}")
-        # fsdp is the usual trainer; p1/e1 are no-ops it would reject.
-        trimmed = [(k, v) for k, v in pairs if not (k in "pe" and v == "1")]
-        if {k for k, _ in trimmed} <= set("dtc"):
-            options.append("fsdp:" + ("".join(k + v for k, v in trimmed) or "d1"))
+        # fsdp is the usual trainer, and takes p and e as 1.
+        if all(k in "dtc" or v == "1" for k, v in pairs):
+            options.append(f"fsdp:{dims}")
         else:
             options.append(f"megatron:{dims}")
         self.fail(

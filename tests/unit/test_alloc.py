@@ -64,6 +64,11 @@ def test_decoupled_inference_and_train():
         ("megatron:d2t2p2c2e4", (2, 2, 2, 2, 4)),
         ("archon:p4d2", (2, 1, 4, 1, 1)),
         ("sglang:d1024", (1024, 1, 1, 1, 1)),
+        # A 1 is fine wherever AReaL's grammar has the letter: fsdp:d2p1t1 is from AReaL #752.
+        ("fsdp:d2p1t1", (2, 1, 1, 1, 1)),
+        ("fsdp:e1c2p1d2", (2, 1, 1, 2, 1)),
+        ("sglang:d2p1t1", (2, 1, 1, 1, 1)),
+        ("megatron:c1e1", (1, 1, 1, 1, 1)),
     ],
 )
 def test_single_dims_any_order_defaults_to_one(text, expected):
@@ -88,9 +93,9 @@ def test_inference_only_and_train_only():
 
 
 def test_names_and_lookup():
-    a = parse("sglang[rollout]:d2+fsdp[actor-0]:d4")
-    assert [c.name for c in a.components] == ["rollout", "actor-0"]
-    assert a.get("actor-0").backend == "fsdp" and a.get("nope") is None
+    a = parse("sglang[rollout]:d2+fsdp[_actor_0]:d4")
+    assert [c.name for c in a.components] == ["rollout", "_actor_0"]
+    assert a.get("_actor_0").backend == "fsdp" and a.get("nope") is None
 
 
 def test_three_named_components_train_is_first_train():
@@ -132,36 +137,39 @@ def test_moe_derives_ffn_d_and_p():
     assert m.ffn == FfnDims(d=1, t=2, p=2, e=2)
 
 
-def test_moe_without_parentheses_and_with_name_in_a_group():
-    a = parse("megatron[actor]:attn:d4t2|ffn:t2e4+sglang[r]:d4")
+def test_moe_without_parentheses():
+    a = parse("megatron:attn:d4t2|ffn:t2e4+sglang:d4")
     m, s = a.components
-    assert m.name == "actor" and m.ffn == FfnDims(d=1, t=2, p=1, e=4)
+    assert m.name is None and m.ffn == FfnDims(d=1, t=2, p=1, e=4)
     assert s.colocate_with is None and a.world_size == 12
-    # After the ffn dims, '|' is colocation again.
-    b = parse("megatron[a]:attn:d2|ffn:e2|fsdp[b]:d2")
-    assert [c.colocate_with for c in b.components] == [None, "a"]
+    # After the ffn dims, '|' is colocation again (refused here: the group's first is unnamed).
+    e = fails("megatron:attn:d2|ffn:e2|fsdp[b]:d2")
+    assert "colocated components" in e.message
 
 
 def test_whitespace_between_tokens_is_ignored():
-    spaced = parse(
-        "  sglang [ r ] : d4 t 2 +\tfsdp[a]: d 8 | megatron [b] :( attn : d8 | ffn : e2 ) "
-    )
-    tight = parse("sglang[r]:d4t2+fsdp[a]:d8|megatron[b]:(attn:d8|ffn:e2)")
+    spaced = parse("  sglang [ r ] : d4 t 2 +\tfsdp[a]: d 8 |\r\nfsdp [b] :\fd8 ")
+    tight = parse("sglang[r]:d4t2+fsdp[a]:d8|fsdp[b]:d8")
+    assert spaced.components == tight.components
+    spaced = parse("sglang : d4 + megatron :( attn : d8 | ffn : e2 ) ")
+    tight = parse("sglang:d4+megatron:(attn:d8|ffn:e2)")
     assert spaced.components == tight.components
 
 
 def test_to_json_shape():
-    a = parse("sglang[r]:d2t2+fsdp[a]:d4|megatron[c]:(attn:d2t2|ffn:e2)")
+    a = parse("sglang[r]:d2t2+fsdp[a]:d4|megatron[c]:d2t2e2")
     data = a.to_json()
     assert data["text"] == a.text and data["world_size"] == 8
     keys = {"name", "backend", "role", "d", "t", "p", "c", "e", "world_size", "colocate_with"}
     for comp in data["components"]:
         assert keys <= comp.keys()
-    r, fsdp, moe = data["components"]
+    r, fsdp, meg = data["components"]
     assert r == {**r, "name": "r", "backend": "sglang", "role": "inference", "d": 2, "t": 2}
     assert (r["world_size"], r["colocate_with"]) == (4, None)
     assert fsdp["role"] == "train" and "ffn" not in fsdp
-    assert moe["colocate_with"] == "a" and moe["e"] == 2
+    assert meg["colocate_with"] == "a" and meg["e"] == 2 and "ffn" not in meg
+    (moe,) = parse("megatron:(attn:d2t2|ffn:e2)").to_json()["components"]
+    assert (moe["e"], moe["world_size"]) == (2, 4)
     assert moe["ffn"] == {"d": 2, "t": 1, "p": 1, "e": 2}
 
 
@@ -180,7 +188,8 @@ ERRORS = [
     ("d4t2", 0, "missing backend", "sglang:d4t2 or fsdp:d4t2"),
     ("d4p2", 0, "missing backend", "sglang:d4p2 or megatron:d4p2"),
     ("d4e2", 0, "missing backend", "megatron:d4e2"),
-    ("sglang:d4+d4p1t1", 10, "missing backend", "sglang:d4p1t1 or fsdp:d4t1"),
+    ("sglang:d4+d4p1t1", 10, "missing backend", "sglang:d4p1t1 or fsdp:d4p1t1"),
+    ("d4c2e1", 0, "missing backend", "write fsdp:d4c2e1"),
     ("[actor]:d4", 0, "missing backend", "fsdp[name]"),
     ("sglan:d4", 0, "unknown backend 'sglan'", "did you mean sglang"),
     ("SGLang:d4", 0, "unknown backend", "did you mean sglang"),
@@ -199,12 +208,17 @@ ERRORS = [
     ("sglang:D4", 7, "unknown dimension 'D'", "lowercase"),
     ("fsdp:d2d4", 7, "given twice", None),
     ("megatron:t2d2t2", 13, "given twice", None),
-    ("fsdp:d4p2", 7, "fsdp does not take pipeline", "megatron"),
-    ("fsdp:d4e2", 7, "fsdp does not take expert", "megatron"),
+    ("fsdp:d4p2", 7, "fsdp does not take pipeline parallelism (p2)", "p1 is fine"),
+    ("fsdp:d4e2", 7, "fsdp does not take expert parallelism (e2)", "megatron"),
+    ("fsdp:e2d2p3", 5, "expert parallelism (e2)", None),
+    ("fsdp:p1d2e4", 9, "expert parallelism (e4)", "e1 is fine"),
+    ("sglang:d4c1", 9, "sglang does not take context", None),
+    ("vllm:d2t2e1", 9, "vllm does not take expert", None),
     ("sglang:d4c2", 9, "sglang does not take context", "replicas"),
     ("vllm:e2", 5, "vllm does not take expert", None),
     ("hf:d1c2", 5, "hf does not take context", None),
     ("megatron:d2e4", 11, "does not divide", None),
+    ("megatron:d2p2e4", 13, "does not divide", None),
     ("sglang:d4 fsdp:d4", 10, "expected '+' or '|'", None),
     ("sglang:d4+", 10, "expected a component at the end", None),
     ("+fsdp:d4", 0, "expected a component before '+'", None),
@@ -216,6 +230,9 @@ ERRORS = [
     ("sglang[]:d4", 7, "expected a name", None),
     ("sglang[1a]:d4", 7, "expected a name", None),
     ("sglang[a b]:d4", 9, "expected ']'", None),
+    ("fsdp[actor-0]:d4", 10, "'-' is not allowed in a name", "write fsdp[actor_0]"),
+    ("sglang[r.1]:d4", 8, "'.' is not allowed in a name", "sglang[r_1]"),
+    ("sglang[é]:d4", 7, "expected a name", None),
     ("sglang[a]:d4+fsdp[a]:d4", 18, "'a' is used twice", None),
     ("sglang[a]:d2|fsdp[a]:d2", 18, "'a' is used twice", None),
     ("sglang:d4+fsdp:d4+fsdp:d2", 6, "every one needs a name", "sglang[name]"),
@@ -236,11 +253,17 @@ ERRORS = [
     ("megatron:(attn:d2|ffn:c2)", 22, "ffn part does not take context", None),
     ("megatron:(attn:|ffn:e2)", 15, "expected dimensions after 'attn'", None),
     ("fsdp:(attn:d2|ffn:e2)", 5, "not for fsdp", "megatron"),
+    ("fsdp:(attn:d2|ffn:d2)", 5, "not for fsdp", None),
+    ("megatron[a]:(attn:d2|ffn:e2)", 8, "takes no [name]", "megatron[a]:d2t2e2"),
+    ("archon [ b ] : attn:d2|ffn:e2", 7, "takes no [name]", "archon:(attn:"),
+    ("megatron:attn:d2|ffn:e2|fsdp[b]:d2", 8, "colocated components ('|') need names", None),
     ("sglang:attn:d2|ffn:e2", 7, "not for sglang", None),
     ("(attn:d2|ffn:e2)", 0, "needs a train backend", None),
     ("attn:d2|ffn:e2", 0, "needs a train backend", None),
     ("sglang:d٣", 8, "bad size", None),
     ("sglang:d4\u00a0+fsdp:d2", 9, "unexpected '\\xa0'", None),
+    # lark's WS, which AReaL ignores, has no vertical tab.
+    ("sglang:d4\v+fsdp:d2", 9, "unexpected '\\x0b'", None),
 ]
 
 

@@ -10,18 +10,18 @@ from pathlib import Path
 
 import pytest
 
+# The console script installed next to the interpreter running the tests.
 AREAL = Path(sys.executable).parent / "areal"
-if not AREAL.exists():
-    AREAL = Path("/work/main/.venv/bin/areal")
 
 
 def areal(*args: str) -> subprocess.CompletedProcess:
+    assert AREAL.exists(), f"no `areal` next to {sys.executable}: install the package there"
     env = {**os.environ, "COLUMNS": "120", "NO_COLOR": "1", "TERM": "dumb"}
     return subprocess.run([str(AREAL), *args], capture_output=True, text=True, timeout=60, env=env)
 
 
 def test_table_lists_components_and_total():
-    r = areal("alloc", "sglang[rollout]:d2t2+fsdp[actor]:d4|megatron[critic]:(attn:d2t2|ffn:e2)")
+    r = areal("alloc", "sglang[rollout]:d2t2+fsdp[actor]:d4|megatron[critic]:d2t2e2")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     header = next(line for line in lines if "backend" in line).split()
@@ -56,9 +56,30 @@ def test_table_lists_components_and_total():
         "2",
         "actor",
     ]
-    assert "critic experts (ffn): d2 t1 p1 e2" in r.stdout
+    assert "experts (ffn)" not in r.stdout
     assert "total world size: 8 GPUs" in r.stdout
     assert r.stderr == ""
+
+
+def test_table_shows_moe_expert_dims():
+    r = areal("alloc", "sglang:d2+megatron:(attn:d2t2|ffn:e2)")
+    assert r.returncode == 0, r.stderr
+    assert "megatron experts (ffn): d2 t1 p1 e2" in r.stdout
+    assert "total world size: 6 GPUs" in r.stdout
+
+
+def test_areal_seed_string_with_explicit_ones_is_accepted():
+    # allocation_mode=fsdp:d2p1t1 from AReaL issue #752: p1 is no pipeline parallelism.
+    r = areal("alloc", "fsdp:d2p1t1", "--json")
+    assert r.returncode == 0, r.stderr
+    (comp,) = json.loads(r.stdout)["components"]
+    assert (comp["backend"], comp["d"], comp["t"], comp["p"], comp["world_size"]) == (
+        "fsdp",
+        2,
+        1,
+        1,
+        2,
+    )
 
 
 def test_json_shape():
@@ -90,14 +111,20 @@ def test_json_shape():
 
 
 def test_json_colocated_and_moe():
-    r = areal("alloc", "megatron[a]:(attn:d2p2t2|ffn:t2e2)|sglang[r]:d8", "--json")
+    r = areal("alloc", "megatron[a]:d2p2t2e2|sglang[r]:d8", "--json")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
-    moe, srv = data["components"]
+    meg, srv = data["components"]
+    assert (meg["d"], meg["t"], meg["p"], meg["c"], meg["e"]) == (2, 2, 2, 1, 2)
+    assert srv["colocate_with"] == "a" and "ffn" not in srv and "ffn" not in meg
+    assert data["world_size"] == 8
+    r = areal("alloc", "sglang:d8+megatron:(attn:d2p2t2|ffn:t2e2)", "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    moe = data["components"][1]
     assert moe["ffn"] == {"d": 1, "t": 2, "p": 2, "e": 2}
     assert (moe["d"], moe["t"], moe["p"], moe["c"], moe["e"]) == (2, 2, 2, 1, 2)
-    assert srv["colocate_with"] == "a" and "ffn" not in srv
-    assert data["world_size"] == 8
+    assert data["world_size"] == 16
 
 
 @pytest.mark.parametrize("extra", [(), ("--json",)])
@@ -106,10 +133,10 @@ def test_bad_string_exits_2_with_caret_and_hint(extra):
     assert r.returncode == 2
     assert r.stdout == ""
     err = r.stderr.splitlines()
-    assert err[0] == "error: bad allocation: fsdp does not take pipeline parallelism (p)"
+    assert err[0] == "error: bad allocation: fsdp does not take pipeline parallelism (p2)"
     assert err[1] == "  sglang:d4+fsdp:d4p2"
     assert err[2] == "  " + " " * 17 + "^"
-    assert err[3].startswith("hint: fsdp takes d, t and c")
+    assert err[3].startswith("hint: fsdp takes d, t and c (p1 is fine)")
     assert "Traceback" not in r.stderr
 
 
