@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from areal_cli import jobs
 from areal_cli.errors import UsageError, WaitTimeout
 from areal_cli.health import probe_health
-from areal_cli.registry import FileRegistry, ServerEntry
+from areal_cli.registry import Registry, ServerEntry
 
 
 @dataclass(frozen=True)
@@ -25,6 +24,7 @@ class Found:
 def healthy(addrs: list[str], api_key: str | None = None, timeout: float = 2.0) -> dict[str, bool]:
     if not addrs:
         return {}
+    from concurrent.futures import ThreadPoolExecutor
 
     def one(addr: str) -> bool:
         host, _, port = addr.rpartition(":")
@@ -61,7 +61,7 @@ def explicit(addrs: list[str], backend: str | None, api_key: str | None) -> Foun
 
 
 def from_registry(
-    registry: FileRegistry,
+    registry: Registry,
     home: Path,
     experiment: str,
     trial: str,
@@ -90,7 +90,7 @@ def from_registry(
             backend = backends.pop() if backends else "sglang"
             return Found([e.addr for e in good], backend, key, good)
         if left <= 0:
-            where = registry.servers_dir(experiment, trial)
+            where = registry.where(experiment, trial)
             raise WaitTimeout(
                 f"found {len(good)} healthy server(s) of {experiment}/{trial}, need {min_servers}, "
                 f"after waiting {wait:g}s; searched {where}",

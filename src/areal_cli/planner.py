@@ -18,7 +18,7 @@ from areal_cli import backends, gpus, jobs, procs, settings
 from areal_cli.errors import UsageError
 from areal_cli.launchers import torchrun
 from areal_cli.parallel import MESH_ENV, ParallelDims
-from areal_cli.registry import FileRegistry
+from areal_cli.registry import Registry, open_registry
 from areal_cli.spec import JobSpec, Plan, ProcessPlan, ServerRole, TrainerRole
 
 DEFAULT_PORT_BASE = 30000
@@ -45,7 +45,7 @@ def resolve_api_key(flag: str, host: str, key_file: Path) -> str | None:
     return flag
 
 
-def held_by_others(registry: FileRegistry, home: Path) -> tuple[dict[int, str], set[int]]:
+def held_by_others(registry: Registry, home: Path) -> tuple[dict[int, str], set[int]]:
     """GPUs (index → who) and ports that live jobs on this host hold: registered servers,
     and every process of a live job record, including servers still loading (not yet
     registered) and trainers (never registered)."""
@@ -67,9 +67,9 @@ def held_by_others(registry: FileRegistry, home: Path) -> tuple[dict[int, str], 
     return gpus_, ports
 
 
-def plan(spec: JobSpec, home: Path, registry_root: Path, check_packages: bool = True) -> Plan:
+def plan(spec: JobSpec, home: Path, registry_url: str, check_packages: bool = True) -> Plan:
     log_dir = settings.log_dir(home, spec.experiment, spec.trial)
-    registry = FileRegistry(registry_root)
+    registry = open_registry(registry_url)
     marker = f"{MARKER_PREFIX}-{spec.experiment}-{spec.trial}-{uuid.uuid4().hex[:8]}"
     job_dir = home / "jobs" / settings.user() / spec.experiment / spec.trial
     p = Plan(
@@ -77,7 +77,7 @@ def plan(spec: JobSpec, home: Path, registry_root: Path, check_packages: bool = 
         trial=spec.trial,
         kind=spec.kind,
         log_dir=str(log_dir),
-        registry=str(registry_root),
+        registry=registry.url,
         marker=marker,
         alloc=spec.alloc,
         health_timeout=spec.health_timeout,
@@ -172,7 +172,7 @@ def _plan_trainer(p, spec: JobSpec, t: TrainerRole, inventory, free, held, log_d
         p.api_key = key  # only so the plan's rendering redacts it
     script_args = list(t.script_args)
     if t.areal_overrides:
-        script_args += areal_overrides(spec, backend, len(addrs), p.registry)
+        script_args += areal_overrides(spec, backend, len(addrs), open_registry(p.registry))
     if t.nnodes == 1 and t.master_port is None:
         rdzv = torchrun.Rendezvous()  # the OS picks the port: no race with other jobs
     else:
@@ -228,7 +228,7 @@ def worker_env(spec, t: TrainerRole, p: Plan, addrs, backend, key, visible: str)
     return env
 
 
-def areal_overrides(spec: JobSpec, backend: str, n_servers: int, registry: str) -> list[str]:
+def areal_overrides(spec: JobSpec, backend: str, n_servers: int, registry: Registry) -> list[str]:
     """`key=value` overrides for an AReaL entry point (its --config + overrides CLI).
 
     AReaL picks its rollout engine from the generation part of `allocation_mode`; a
@@ -245,8 +245,7 @@ def areal_overrides(spec: JobSpec, backend: str, n_servers: int, registry: str) 
         f"trial_name={spec.trial}",
         f"rollout.experiment_name={spec.experiment}",
         f"rollout.trial_name={spec.trial}",
-        "cluster.name_resolve.type=nfs",
-        f"cluster.name_resolve.nfs_record_root={registry}",
+        *registry.areal_name_resolve(),
     ]
 
 

@@ -31,12 +31,15 @@ def _stat(pid: int) -> tuple[str, str] | None:
     return fields[0], fields[19]
 
 
-def cleanup(marker: str, home: Path, experiment: str, trial: str, registry_root: Path) -> None:
+def cleanup(marker: str, home: Path, experiment: str, trial: str, registry: str) -> None:
     from areal_cli import jobs, procs
-    from areal_cli.registry import FileRegistry
+    from areal_cli.registry import open_registry
 
     procs.kill_job(marker, grace=3.0)
-    FileRegistry(registry_root).deregister_job(experiment, trial, marker)
+    try:
+        open_registry(registry).deregister_job(experiment, trial, marker)
+    except Exception:
+        pass  # entries expire with their lease or heartbeat anyway
     try:
         recs = jobs.load_all(home, experiment, trial)
     except Exception:
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         if now is None or now[0] in ("Z", "X") or now[1] != first[1]:
             break
         time.sleep(0.2)
-    cleanup(args.marker, Path(args.home), args.experiment, args.trial, Path(args.registry))
+    cleanup(args.marker, Path(args.home), args.experiment, args.trial, args.registry)
     return 0
 
 

@@ -35,11 +35,14 @@ def home(override: str | Path | None = None) -> Path:
     return Path(cache) / "areal"
 
 
-def registry_root(override: str | Path | None = None) -> Path:
-    """AREAL_REGISTRY: the name_resolve root that AReaL's NFS backend also reads."""
-    if override:
-        return Path(override).expanduser().resolve()
-    return Path(os.environ.get("AREAL_REGISTRY") or DEFAULT_REGISTRY).expanduser().resolve()
+def registry_url(override: str | Path | None = None) -> str:
+    """AREAL_REGISTRY: a directory (AReaL's NFS name_resolve layout; `file://` optional) or
+    `etcd://host:port[,host:port...]`. Paths come back absolute, URLs as given."""
+    raw = str(override) if override else os.environ.get("AREAL_REGISTRY") or DEFAULT_REGISTRY
+    if raw.startswith("etcd://"):
+        return raw
+    raw = raw.removeprefix("file://")
+    return str(Path(raw).expanduser().resolve())
 
 
 def log_dir(home_dir: Path, experiment: str, trial: str) -> Path:

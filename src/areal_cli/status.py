@@ -6,9 +6,9 @@ import os
 import signal
 from pathlib import Path
 
-from areal_cli import discovery, jobs, procs, settings
+from areal_cli import jobs, settings
 from areal_cli.errors import UsageError
-from areal_cli.registry import FileRegistry
+from areal_cli.registry import open_registry
 
 LIVE = jobs.LIVE
 
@@ -30,7 +30,9 @@ def job_statuses(home: Path, include_ended: bool = False) -> list[dict]:
         for p in rec.processes:
             if p.role == "server" and p.addr and rec.host == here:
                 probes.append(p.addr)
-    health = discovery.healthy(probes, timeout=1.0)
+    from areal_cli import discovery  # http.client and threads, only to probe servers
+
+    health = discovery.healthy(probes, timeout=1.0) if probes else {}
     result = []
     for rec, state in out:
         servers = [
@@ -63,8 +65,10 @@ def job_statuses(home: Path, include_ended: bool = False) -> list[dict]:
     return result
 
 
-def stop_job(home: Path, rec: jobs.JobRecord, timeout: float, registry_root: Path) -> dict:
+def stop_job(home: Path, rec: jobs.JobRecord, timeout: float, registry: str) -> dict:
     """SIGTERM the supervisor and wait; then make sure nothing of the job is left."""
+    from areal_cli import procs
+
     if rec.host != settings.hostname():
         # Its pids mean nothing here (a shared home seen from another node).
         raise UsageError(
@@ -82,8 +86,8 @@ def stop_job(home: Path, rec: jobs.JobRecord, timeout: float, registry_root: Pat
     roots = [p.pid for p in rec.processes if procs.pid_alive(p.pid, p.create_time)]
     killed = procs.kill_job(rec.marker, roots, grace=3.0)
     deregistered = 0
-    for root in {Path(rec.registry), Path(registry_root)}:
-        deregistered += FileRegistry(root).deregister_job(rec.experiment, rec.trial, rec.marker)
+    for url in {rec.registry, registry}:
+        deregistered += open_registry(url).deregister_job(rec.experiment, rec.trial, rec.marker)
     fresh = jobs.load(home, rec.experiment, rec.trial, rec.kind)
     if fresh.state in LIVE:
         fresh.state = "stopped"

@@ -28,7 +28,7 @@ from areal_cli import jobs, procs, settings
 from areal_cli.errors import EXIT_INTERRUPTED, ArealError, LaunchError, UsageError, WaitTimeout
 from areal_cli.health import probe_health
 from areal_cli.launchers import torchrun
-from areal_cli.registry import FileRegistry, ServerEntry, server_id
+from areal_cli.registry import ServerEntry, open_registry, server_id
 from areal_cli.spec import Plan, ProcessPlan
 
 HEARTBEAT_EVERY = 5.0
@@ -147,7 +147,7 @@ class Supervisor:
         self.home = home
         self.on_event = on_event or (lambda kind, info: None)
         self.on_line = on_line
-        self.registry = FileRegistry(plan.registry)
+        self.registry = open_registry(plan.registry)
         self.procs: list[_Proc] = []
         self.stop_requested = threading.Event()
         self.changed = threading.Event()  # a process exited, or a stop was requested
@@ -369,7 +369,7 @@ class Supervisor:
             self.registry.register(entry)
         except OSError as e:
             raise UsageError(
-                f"cannot write the registry at {self.registry.root}: {e.strerror or e}",
+                f"cannot write the registry at {self.registry.url}: {e.strerror or e}",
                 hint="pick a writable --registry (or AREAL_REGISTRY)",
             ) from None
         proc.registered = entry
@@ -385,13 +385,14 @@ class Supervisor:
                 entry = proc.registered
                 if entry is not None and not proc.lost:
                     try:
-                        self.registry.heartbeat(entry)
+                        self.registry.keepalive(entry)
                     except OSError:
                         pass  # a full or flaky filesystem: the next beat tries again
 
     def _deregister(self, proc: _Proc) -> None:
         if proc.registered:
-            self.registry.deregister(self.plan.experiment, self.plan.trial, proc.registered.id)
+            e = proc.registered
+            self.registry.deregister(self.plan.experiment, self.plan.trial, e.id, e.lease)
             proc.registered = None
 
     def _teardown(

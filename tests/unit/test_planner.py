@@ -32,7 +32,9 @@ def spec(backend, d, t, model, **kw):
 
 
 def test_sglang_plan_slices_gpus(tmp_path, four_gpus):
-    p = planner.plan(spec("sglang", 2, 2, tmp_path), tmp_path, tmp_path / "r", check_packages=False)
+    p = planner.plan(
+        spec("sglang", 2, 2, tmp_path), tmp_path, str(tmp_path / "r"), check_packages=False
+    )
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in p.servers] == ["0,1", "2,3"]
     argv = p.servers[0].argv
     assert argv[:3] == ["python", "-m", "sglang.launch_server"]
@@ -52,14 +54,20 @@ def test_vllm_plan(tmp_path, four_gpus):
 
 def test_fewer_gpus_than_planned(tmp_path, four_gpus):
     with pytest.raises(UsageError, match="needs 8 GPUs"):
-        planner.plan(spec("sglang", 4, 2, tmp_path), tmp_path, tmp_path / "r", check_packages=False)
+        planner.plan(
+            spec("sglang", 4, 2, tmp_path), tmp_path, str(tmp_path / "r"), check_packages=False
+        )
 
 
 def test_no_gpu_only_hf(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with pytest.raises(UsageError, match="needs GPUs"):
-        planner.plan(spec("vllm", 1, 1, tmp_path), tmp_path, tmp_path / "r", check_packages=False)
-    p = planner.plan(spec("hf", 2, 1, tmp_path), tmp_path, tmp_path / "r", check_packages=False)
+        planner.plan(
+            spec("vllm", 1, 1, tmp_path), tmp_path, str(tmp_path / "r"), check_packages=False
+        )
+    p = planner.plan(
+        spec("hf", 2, 1, tmp_path), tmp_path, str(tmp_path / "r"), check_packages=False
+    )
     assert all(s.gpus == [] and "--device" in s.argv for s in p.servers)
 
 
@@ -73,13 +81,13 @@ def test_trainer_takes_gpus_no_server_holds(tmp_path, four_gpus):
     t = TrainerRole(script="train.py", script_args=("--config", "c.yaml"), nproc=2, alloc="fsdp:d2")
     s = JobSpec(experiment="e", trial="t", trainer=t, external_servers=("127.0.0.1:1",),
                 external_backend="sglang")  # fmt: skip
-    p = planner.plan(s, tmp_path, tmp_path / "r")
+    p = planner.plan(s, tmp_path, str(tmp_path / "r"))
     (tr,) = p.trainers
     assert tr.env["CUDA_VISIBLE_DEVICES"] == "2,3"
     assert tr.env["NCCL_CUMEM_ENABLE"] == "0" and tr.env["AREAL_LLM_SERVER_ADDRS"] == "127.0.0.1:1"
     t3 = TrainerRole(script="train.py", script_args=(), nproc=3, alloc="fsdp:d3")
     with pytest.raises(UsageError, match="GPU 0: other/t"):
-        planner.plan(JobSpec(experiment="e", trial="t", trainer=t3), tmp_path, tmp_path / "r")
+        planner.plan(JobSpec(experiment="e", trial="t", trainer=t3), tmp_path, str(tmp_path / "r"))
 
 
 def test_gpus_and_ports_of_jobs_still_starting_are_taken(tmp_path, four_gpus):
@@ -93,16 +101,7 @@ def test_gpus_and_ports_of_jobs_still_starting_are_taken(tmp_path, four_gpus):
                                       addr="127.0.0.1:30000", gpus=[0, 1])],
     )  # fmt: skip
     jobs.write(tmp_path, rec)
-    p = planner.plan(spec("sglang", 1, 2, tmp_path), tmp_path, tmp_path / "r", check_packages=False)
+    p = planner.plan(
+        spec("sglang", 1, 2, tmp_path), tmp_path, str(tmp_path / "r"), check_packages=False
+    )
     assert p.servers[0].gpus == [2, 3] and p.servers[0].port != 30000
-
-
-def test_deregister_job_leaves_other_jobs_entries(tmp_path):
-    from areal_cli.registry import FileRegistry, ServerEntry
-
-    reg = FileRegistry(tmp_path)
-    for port, marker in ((1, "serve-job"), (2, "train-job")):
-        reg.register(ServerEntry(id=f"h_{port}", addr=f"h:{port}", experiment="e", trial="t",
-                                 marker=marker))  # fmt: skip
-    assert reg.deregister_job("e", "t", "train-job") == 1
-    assert [e.addr for e in reg.list("e", "t").servers] == ["h:1"]

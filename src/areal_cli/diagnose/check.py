@@ -10,7 +10,6 @@ import shutil
 import subprocess
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import psutil
 
 from areal_cli import procs, settings
+from areal_cli.errors import ArealError
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 SHM_WARN_BYTES = 1 << 30  # NCCL's shared-memory transport and DataLoader workers live in /dev/shm
@@ -40,7 +40,7 @@ def run_checks(home: str | Path | None = None, registry: str | Path | None = Non
     rows = [python_row(), *torch_rows(), gpus_row()]
     rows += [package_row(p) for p in ("transformers", "sglang", "vllm")]
     rows += [pyspy_row(), shm_row(), nofile_row()]
-    rows += registry_rows(settings.registry_root(registry))
+    rows += registry_rows(settings.registry_url(registry))
     rows += [leftovers_row(settings.home(home))]
     return rows
 
@@ -241,42 +241,38 @@ def nofile_row() -> Row:
 # --------------------------------------------------------------------------- registry
 
 
-def registry_rows(root: Path) -> list[Row]:
-    rows = [registry_access_row(root)]
+def registry_rows(url: str) -> list[Row]:
+    rows = [registry_access_row(url)]
     if rows[0].status != FAIL:
-        rows.append(servers_health_row(root))
+        rows.append(servers_health_row(url))
     return rows
 
 
-def registry_access_row(root: Path) -> Row:
-    """The registry root can be created, read and written (atomic rename included)."""
-    fix = f"chmod u+rwx {root}, or point AREAL_REGISTRY / --registry at a writable directory"
+def registry_access_row(url: str) -> Row:
+    """The registry can be reached, written, read back and cleaned (atomic rename included)."""
+    from areal_cli.registry import open_registry
+
+    fix = "point AREAL_REGISTRY / --registry at a writable directory or a reachable etcd"
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe = root / f".areal-check-{uuid.uuid4().hex[:8]}"
-        tmp = probe.with_suffix(".tmp")
-        tmp.write_text("ok")
-        os.replace(tmp, probe)
-        ok = probe.read_text() == "ok"
-        probe.unlink()
-        list(root.iterdir())
+        reg = open_registry(url)
+        reg.probe()
+    except ArealError as e:
+        return Row("registry", FAIL, f"{url}: {e.message}", e.hint or fix)
     except OSError as e:
-        return Row("registry", FAIL, f"{root}: {e.strerror or e}", fix)
-    if not ok:
-        return Row("registry", FAIL, f"{root}: read back something else than written", fix)
-    return Row("registry", PASS, f"{root} readable and writable")
+        return Row("registry", FAIL, f"{url}: {e.strerror or e}", fix)
+    return Row("registry", PASS, f"{reg.url} readable and writable ({reg.kind})")
 
 
-def list_registered_servers(root: Path) -> list:
+def list_registered_servers(url: str) -> list:
     """Every live registered server of this user (the registry module decides what is live)."""
-    from areal_cli.registry import FileRegistry
+    from areal_cli.registry import open_registry
 
-    return FileRegistry(root).list().servers
+    return open_registry(url).list().servers
 
 
-def servers_health_row(root: Path, timeout: float = 2.0) -> Row:
+def servers_health_row(url: str, timeout: float = 2.0) -> Row:
     try:
-        servers = list_registered_servers(root)
+        servers = list_registered_servers(url)
     except Exception as e:
         return Row("servers", WARN, f"cannot list the registry: {e}", None)
     if not servers:

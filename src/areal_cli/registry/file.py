@@ -1,0 +1,229 @@
+"""The file registry: AReaL's NFS name_resolve layout in a directory that may be shared.
+
+A key is a directory and its value the one file `ENTRY` inside it:
+
+    <root>/<user>/<experiment>/<trial>/gen_servers/<id>/ENTRY        "host:port"
+    <root>/<user>/<experiment>/<trial>/areal/servers/<id>/ENTRY      JSON metadata
+    <root>/<user>/<experiment>/<trial>/areal/ranks/<rank>/ENTRY      JSON
+
+AReaL's reader walks `gen_servers/` and takes every directory holding exactly one file named
+ENTRY, so writes are atomic renames of a temp file kept in the parent directory, never beside
+ENTRY. There are no real leases here: the metadata carries a heartbeat and a TTL, and readers
+skip an entry whose heartbeat is older than its TTL or whose pid is gone on this host.
+
+The root is shared by every user of a host, like /tmp (mode 1777), so nothing in it is
+trusted by default. Each user's directory is created private to its user, and readers take
+only directories and files owned by the user they read for and writable by no one else,
+only regular files (never through a symlink, never a FIFO), and at most MAX_VALUE bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import uuid
+from pathlib import Path
+
+from areal_cli import settings
+from areal_cli.errors import UsageError
+from areal_cli.registry.api import Registry, Skip
+
+ENTRY = "ENTRY"
+MAX_VALUE = 64 * 1024  # entries are a few hundred bytes; anything bigger is not ours
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+class FileRegistry(Registry):
+    kind = "file"
+
+    def __init__(self, root: Path | str, user: str | None = None):
+        self.root = Path(root)
+        self.user = user or settings.user()
+        self.url = str(self.root)
+        self._uid = _uid_of(self.user)
+
+    def for_user(self, user: str) -> FileRegistry:
+        return FileRegistry(self.root, user)
+
+    def users(self) -> list[str]:
+        try:
+            return sorted(e.name for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False))
+        except OSError:
+            return []
+
+    def where(self, experiment: str, trial: str) -> str:
+        return str(self.root / self._trial_key(experiment, trial) / "gen_servers")
+
+    def areal_name_resolve(self) -> list[str]:
+        return [
+            "cluster.name_resolve.type=nfs",
+            f"cluster.name_resolve.nfs_record_root={self.root}",
+        ]
+
+    def trial_dir(self, experiment: str, trial: str) -> Path:
+        return self.root / self._trial_key(experiment, trial)
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def _put(self, key: str, value: str, lease: str | None = None) -> None:
+        path = self.root / key / ENTRY
+        self._make_dirs(path.parent)
+        # The temp file sits in the parent, not beside ENTRY: AReaL's reader would skip a
+        # directory holding two files, and ours would call it half-written.
+        tmp = path.parent.parent / f".{path.parent.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(value)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def _delete(self, key: str) -> None:
+        d = self.root / key
+        shutil.rmtree(d, ignore_errors=True)
+        d = d.parent
+        while d != self.root and self.root in d.parents:
+            try:
+                d.rmdir()
+            except OSError:
+                return
+            d = d.parent
+
+    def _make_dirs(self, d: Path) -> None:
+        if not self.root.exists():
+            self.root.mkdir(parents=True, exist_ok=True)
+            try:
+                # Shared by every user of the host (each writes under its own name), like /tmp.
+                os.chmod(self.root, 0o1777)
+            except OSError:
+                pass
+        mine = self.root / self.user
+        try:
+            mine.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        st = os.lstat(mine)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            raise UsageError(
+                f"the registry folder {mine} is not yours (owner uid {st.st_uid}"
+                + (", a symlink" if stat.S_ISLNK(st.st_mode) else "")
+                + "): another user may have planted it",
+                hint=f"remove it ({mine}) or pick another --registry (or AREAL_REGISTRY)",
+            )
+        # No group/other write bits on the way, whatever the umask: readers refuse those.
+        rel = d.relative_to(mine)
+        cur = mine
+        for part in rel.parts:
+            cur = cur / part
+            try:
+                cur.mkdir(mode=0o755)
+            except FileExistsError:
+                pass
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def _read_prefix(self, prefix: str) -> dict[str, str | Skip]:
+        out: dict[str, str | Skip] = {}
+        user_dir = self.root / self.user
+        why = self._untrusted(user_dir)
+        if why:
+            if why != "missing":
+                out[self.user] = Skip(why)
+            return out
+        start = self.root / prefix
+        # Every directory between the user's and the prefix must be trustworthy too.
+        cur = user_dir
+        for part in Path(prefix).parts[1:]:
+            cur = cur / part
+            why = self._untrusted(cur)
+            if why:
+                if why != "missing":
+                    out[prefix] = Skip(why)
+                return out
+        self._walk(start, prefix, out)
+        return out
+
+    def _walk(self, d: Path, key: str, out: dict[str, str | Skip]) -> None:
+        try:
+            it = list(os.scandir(d))
+        except OSError:
+            return
+        names = {e.name for e in it}
+        if ENTRY in names:
+            out[key] = self._read_value(os.path.join(d, ENTRY))
+            return
+        subdirs = [e for e in it if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)]
+        if not subdirs and it and key.count("/") >= 4:
+            out[key] = Skip("half-written" if any(".tmp" in n for n in names) else "no ENTRY")
+            return
+        for e in subdirs:
+            sub = f"{key}/{e.name}"
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            why = self._check(st)
+            if why:
+                out[sub] = Skip(why)
+                continue
+            self._walk(Path(e.path), sub, out)
+
+    def _read_value(self, path: str) -> str | Skip:
+        try:
+            fd = os.open(path, _OPEN_FLAGS)
+        except FileNotFoundError:
+            return Skip("no ENTRY")
+        except OSError as e:
+            # ELOOP: ENTRY is a symlink (O_NOFOLLOW); ENXIO: a FIFO with no writer.
+            return Skip(f"unreadable ENTRY ({e.strerror or e})")
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return Skip("ENTRY is not a regular file")
+            why = self._check(st)
+            if why:
+                return Skip(why)
+            if st.st_size > MAX_VALUE:
+                return Skip(f"ENTRY is larger than {MAX_VALUE // 1024} KiB")
+            data = os.read(fd, MAX_VALUE + 1)
+            if len(data) > MAX_VALUE:
+                return Skip(f"ENTRY is larger than {MAX_VALUE // 1024} KiB")
+            return data.decode(errors="replace")
+        except OSError as e:
+            return Skip(f"unreadable ENTRY ({e.strerror or e})")
+        finally:
+            os.close(fd)
+
+    def _untrusted(self, path: Path) -> str | None:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return "missing"
+        except OSError as e:
+            return f"unreadable ({e.strerror or e})"
+        if stat.S_ISLNK(st.st_mode):
+            return "untrusted: a symlink"
+        if not stat.S_ISDIR(st.st_mode):
+            return "untrusted: not a directory"
+        return self._check(st)
+
+    def _check(self, st: os.stat_result) -> str | None:
+        if self._uid is None or st.st_uid != self._uid:
+            return f"untrusted: owned by uid {st.st_uid}, not {self.user}"
+        if st.st_mode & 0o022:
+            return "untrusted: writable by group or others"
+        return None
+
+
+def _uid_of(user: str) -> int | None:
+    if user == settings.user():
+        return os.getuid()
+    import pwd
+
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        return int(user) if user.isdigit() else None
