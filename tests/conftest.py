@@ -13,6 +13,9 @@ REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 AREAL = str(VENV_BIN / "areal")
 
+# Real Slurm and etcd daemons: fixtures and the `slurm` / `etcd` markers (tests/services.py).
+pytest_plugins = ["services"]
+
 
 def our_processes(home: Path) -> list[psutil.Process]:
     """Live processes this test started: pytest's descendants, and anything (daemons,
