@@ -51,6 +51,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--revision", default=None, help="branch, tag or commit of a hub id")
     p.add_argument("--served-model-name", default=None, help="model id for /v1 (default: path)")
+    p.add_argument(
+        "--weight-version",
+        default="default",
+        help="version label of the weights it starts with (SGLang's default: 'default')",
+    )
+    p.add_argument(
+        "--weight-sync-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a weight-update group waits for its rendezvous or one broadcast",
+    )
     return p.parse_args(argv)
 
 
@@ -75,8 +86,11 @@ async def serve(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch_size,
         batch_window_s=args.batch_window_ms / 1000,
         seed=args.seed,
+        weight_version=args.weight_version,
     )
-    public_args = {k: v for k, v in vars(args).items() if k != "api_key"}
+    # /server_info shows the launch arguments under SGLang's names (server_args fields).
+    public_args = {k: v for k, v in vars(args).items() if k not in ("api_key", "seed")}
+    public_args["random_seed"] = args.seed
     state = ServerState(
         engine=engine,
         batcher=batcher,
@@ -129,6 +143,8 @@ async def serve(args: argparse.Namespace) -> int:
     state.ready = False
     # Running generation stops at its next step; waiting clients get an 'abort' answer.
     await batcher.close()
+    if state.updates is not None:
+        state.updates.close()
     for task in (serving, stopper):
         task.cancel()
     await asyncio.gather(serving, stopper, return_exceptions=True)

@@ -1,16 +1,32 @@
-"""HTTP side of the hf reference server: SGLang-native endpoints plus OpenAI /v1/completions.
+"""HTTP side of the hf reference server: SGLang 0.5.23's native routes plus OpenAI
+/v1/completions.
 
-SGLang subset: GET /health (503 while the model loads), /health_generate, /get_model_info,
-/get_server_info, /get_weight_version; POST /generate, /update_weights_from_disk,
-/pause_generation, /continue_generation, /flush_cache, /abort_request.
-vLLM/OpenAI subset: GET /v1/models, POST /v1/completions.
+Every SGLang route served here takes the same request fields, validates them the same way
+and answers with the same status codes and reply shapes as SGLang 0.5.23
+(srt/entrypoints/http_server.py; see protocol.py for the sources):
 
-With an API key every endpoint but /health and /health_generate wants
-`Authorization: Bearer KEY`, as SGLang's api-key middleware does.
+    GET  /health /health_generate /ready      empty bodies; 503 while the model loads
+    GET  /model_info /server_info             (/get_model_info, /get_server_info: deprecated
+                                              aliases SGLang still serves)
+    POST /generate                            single or batch, per-token logprobs, weight
+                                              version spans, retraction counts
+    POST /pause_generation {mode}             abort | retract | in_place
+    POST /continue_generation
+    POST /update_weights_from_disk            {model_path, weight_version, flush_cache, ...}
+    POST /update_weight_version               {new_version, abort_all_requests}
+    POST /init_weights_update_group /begin_weight_update /update_weights_from_distributed
+         /end_weight_update /destroy_weights_update_group       (weight_update.py)
+    GET|POST /flush_cache                     text
+    POST /abort_request {rid, abort_all}      empty body
+    GET  /v1/models, POST /v1/completions     vLLM/OpenAI subset
+
+With an API key every route but /health*, /ready and /metrics wants `Authorization: Bearer
+KEY`, as SGLang's middleware does (srt/utils/auth.py:96-103).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -20,19 +36,17 @@ from typing import Any
 
 from aiohttp import web
 
+from areal_cli.server import protocol
 from areal_cli.server.batcher import Batcher
-from areal_cli.server.engine import (
-    Engine,
-    GenRequest,
-    GenResult,
-    RequestError,
-    SamplingParams,
-    WeightLoadError,
-)
+from areal_cli.server.engine import Engine, GenRequest, GenResult, WeightLoadError
+from areal_cli.server.protocol import BodyError, ContractError, RequestError, field_of
+from areal_cli.server.weight_update import WeightUpdates
 
 log = logging.getLogger("areal.server")
 
-UNAUTHENTICATED = frozenset({"/health", "/health_generate"})
+UNAUTHENTICATED_PREFIXES = ("/health", "/ready", "/metrics")
+# Answered with an empty 503 while the model loads (http_server.py:714-735).
+PROBES = frozenset({"/health", "/health_generate", "/ready"})
 
 
 @dataclass
@@ -45,25 +59,40 @@ class ServerState:
     ready: bool = False
     started: float = field(default_factory=time.time)
     weight_updates: int = 0
+    updates: WeightUpdates | None = None
 
 
 STATE = web.AppKey("state", ServerState)
 
 
 def build_app(state: ServerState) -> web.Application:
+    if state.updates is None:
+        state.updates = WeightUpdates(
+            state.engine, state.batcher, float(state.args.get("weight_sync_timeout") or 600)
+        )
     app = web.Application(middlewares=[_errors, _auth, _readiness], client_max_size=64 << 20)
     app[STATE] = state
     r = app.router
     r.add_get("/health", health)
     r.add_get("/health_generate", health_generate)
-    r.add_get("/get_model_info", get_model_info)
-    r.add_get("/get_server_info", get_server_info)
-    r.add_get("/get_weight_version", get_weight_version)
+    r.add_get("/ready", ready)
+    r.add_get("/model_info", model_info)
+    r.add_get("/get_model_info", model_info)
+    r.add_get("/server_info", server_info)
+    r.add_get("/get_server_info", server_info)
     r.add_post("/generate", generate)
+    r.add_put("/generate", generate)
     r.add_post("/update_weights_from_disk", update_weights_from_disk)
+    r.add_post("/update_weight_version", update_weight_version)
+    r.add_post("/init_weights_update_group", init_weights_update_group)
+    r.add_post("/destroy_weights_update_group", destroy_weights_update_group)
+    r.add_post("/begin_weight_update", begin_weight_update)
+    r.add_post("/end_weight_update", end_weight_update)
+    r.add_post("/update_weights_from_distributed", update_weights_from_distributed)
     r.add_post("/pause_generation", pause_generation)
     r.add_post("/continue_generation", continue_generation)
-    r.add_route("*", "/flush_cache", flush_cache)
+    r.add_get("/flush_cache", flush_cache)
+    r.add_post("/flush_cache", flush_cache)
     r.add_post("/abort_request", abort_request)
     r.add_get("/v1/models", v1_models)
     r.add_post("/v1/completions", v1_completions)
@@ -73,7 +102,7 @@ def build_app(state: ServerState) -> web.Application:
 # -- middlewares -----------------------------------------------------------------------------
 
 
-def _error(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
+def _openai_error(status: int, message: str, kind: str) -> web.Response:
     return web.json_response(
         {"error": {"message": message, "type": kind, "code": status}}, status=status
     )
@@ -83,19 +112,23 @@ def _error(status: int, message: str, kind: str = "BadRequestError") -> web.Resp
 async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         return await handler(request)
-    except RequestError as e:
-        return _error(400, str(e))
+    except ContractError as e:  # http_server.py:937-939
+        return web.json_response({"error": str(e)}, status=400)
+    except RequestError as e:  # http_server.py:2246-2250
+        return web.json_response({"error": {"message": str(e)}}, status=400)
+    except BodyError as e:  # http_server.py:636-698
+        return web.json_response(protocol.validation_error(str(e)), status=400)
     except web.HTTPException:
         raise
     except Exception as e:
         log.exception("error serving %s %s", request.method, request.path)
-        return _error(500, f"{type(e).__name__}: {e}", "InternalServerError")
+        return _openai_error(500, f"{type(e).__name__}: {e}", "InternalServerError")
 
 
 @web.middleware
 async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
     key = request.app[STATE].api_key
-    if key and request.path not in UNAUTHENTICATED:
+    if key and not request.path.startswith(UNAUTHENTICATED_PREFIXES):
         if request.headers.get("Authorization") != f"Bearer {key}":
             return web.json_response({"error": "Unauthorized"}, status=401)
     return await handler(request)
@@ -104,23 +137,35 @@ async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
 @web.middleware
 async def _readiness(request: web.Request, handler: Any) -> web.StreamResponse:
     if not request.app[STATE].ready:
-        return _error(503, "the model is loading", "ServiceUnavailableError")
+        if request.path in PROBES:
+            return web.Response(status=503)
+        return _openai_error(503, "the model is loading", "ServiceUnavailableError")
     return await handler(request)
 
 
 async def _json(request: web.Request) -> dict[str, Any]:
     if not request.can_read_body:
         return {}
+    raw = await request.read()
+    if not raw.strip():
+        return {}
     try:
-        body = await request.json()
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"the body is not valid JSON: {e}") from e
+        raise BodyError(f"JSON decode error: {e}") from e
     if not isinstance(body, dict):
-        raise RequestError("the body must be a JSON object")
+        raise BodyError("Input should be a valid dictionary or object")
     return body
 
 
-# -- SGLang-native ---------------------------------------------------------------------------
+def _result(ok: bool, message: str, **extra: Any) -> web.Response:
+    """{success, message} with 200 or 400, the shape of every weight-control route."""
+    return web.json_response(
+        {"success": ok, "message": message, **extra}, status=200 if ok else 400
+    )
+
+
+# -- probes and info -------------------------------------------------------------------------
 
 
 async def health(request: web.Request) -> web.Response:
@@ -128,38 +173,56 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
-async def health_generate(request: web.Request) -> web.Response:
-    st = request.app[STATE]
-    prompt = [st.engine.pad_token_id]
-    params = SamplingParams(max_new_tokens=1, temperature=0)
-    # A probe must not shift the seeds of real requests.
-    await st.batcher.submit([GenRequest(prompt, params, rid="health")], seeded=False)
+async def ready(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
-async def get_model_info(request: web.Request) -> web.Response:
+async def health_generate(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    # http_server.py:766-775: one greedy token of input_ids [0].
+    params = protocol.sampling_from({"max_new_tokens": 1, "temperature": 0.0}, 1)
+    prompt = [0]
+    # A probe must not shift the seeds of real requests.
+    await st.batcher.submit([GenRequest(prompt, params, rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")],
+                            seeded=False)  # fmt: skip
+    return web.Response(status=200)
+
+
+async def model_info(request: web.Request) -> web.Response:
+    """http_server.py:812-850."""
     st = request.app[STATE]
     cfg = st.engine.model.config
     return web.json_response(
         {
-            "model_path": st.engine.model_path,
+            # Moved by a weight update from disk, as SGLang's is.
+            "model_path": st.engine.weights_path,
+            "served_model_name": st.served_model_name,
             "tokenizer_path": st.engine.model_path,
             "is_generation": True,
+            "preferred_sampling_params": None,
             "weight_version": st.batcher.weight_version,
-            "model_type": getattr(cfg, "model_type", None),
-            "architectures": getattr(cfg, "architectures", None),
+            "load_format": "auto",
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
             "has_image_understanding": False,
             "has_audio_understanding": False,
+            "model_type": getattr(cfg, "model_type", None),
+            "architectures": getattr(cfg, "architectures", None),
         }
     )
 
 
-async def get_server_info(request: web.Request) -> web.Response:
+async def server_info(request: web.Request) -> web.Response:
+    """http_server.py:863-895: the launch arguments under SGLang's names, plus live state."""
     st = request.app[STATE]
     e = st.engine
     return web.json_response(
         {
             **st.args,
+            "tp_size": 1,
+            "pp_size": 1,
+            "dp_size": 1,
             "backend": "hf",
             "served_model_name": st.served_model_name,
             "weights_path": e.weights_path,
@@ -167,37 +230,40 @@ async def get_server_info(request: web.Request) -> web.Response:
             "dtype": str(e.dtype).removeprefix("torch."),
             "context_length": e.context_length,
             "vocab_size": e.vocab_size,
-            "weight_version": st.batcher.weight_version,
             "weight_updates": st.weight_updates,
+            "startup_time": st.started,
             "uptime_s": round(time.time() - st.started, 3),
+            "internal_states": [{"batching": st.batcher.stats()}],
             "batching": st.batcher.stats(),
+            "frontend": "hf",
         }
     )
 
 
-async def get_weight_version(request: web.Request) -> web.Response:
-    return web.json_response({"weight_version": request.app[STATE].batcher.weight_version})
+# -- generation --------------------------------------------------------------------------------
 
 
 async def generate(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    body = await _json(request)
-    if body.get("stream"):
-        raise RequestError("streaming is not supported by the hf server; send stream: false")
-    prompts, batched = _prompts(st.engine, body.get("input_ids"), body.get("text"))
+    g = protocol.decode_generate(await _json(request))
+    if g.unsupported:
+        raise RequestError(f"the hf server does not support {', '.join(g.unsupported)}")
+    if g.stream:
+        raise RequestError("the hf server does not stream; send stream: false")
+    prompts, batched = _prompts(st.engine, g.input_ids, g.text)
     n = len(prompts)
-    params = _per_item(body.get("sampling_params"), n, "sampling_params")
-    want_logprob = _per_item(body.get("return_logprob", False), n, "return_logprob")
-    top_n = _per_item(body.get("top_logprobs_num", 0), n, "top_logprobs_num")
-    rids = _per_item(body.get("rid"), n, "rid")
+    params = _per_item(g.sampling_params, n, "sampling_params")
+    want_logprob = _per_item(g.return_logprob, n, "return_logprob")
+    top_n = _per_item(g.top_logprobs_num, n, "top_logprobs_num")
+    rids = _rids(g.rid, n, batched)
 
     reqs = []
     for i, ids in enumerate(prompts):
-        sp = SamplingParams.from_dict(params[i])
+        sp = protocol.sampling_from(params[i], st.engine.vocab_size)
         req = GenRequest(
             input_ids=ids,
             params=sp,
-            rid=str(rids[i] or uuid.uuid4().hex),
+            rid=rids[i],
             top_logprobs_num=int(top_n[i] or 0) if want_logprob[i] else 0,
         )
         st.engine.check_request(req)
@@ -214,97 +280,182 @@ async def generate(request: web.Request) -> web.Response:
 
 
 def _sglang_output(req: GenRequest, res: GenResult, logprob: bool, latency: float) -> dict:
+    """One /generate reply (tokenizer_manager.py:2507-2560, utils/weight_versions.py:90-107)."""
+    n = len(res.output_ids)
+    spans = [s for s in res.spans if s[1] < n or s[1] == 0]
     meta: dict[str, Any] = {
         "id": req.rid,
         "finish_reason": res.finish_reason,
         "prompt_tokens": res.prompt_tokens,
-        "completion_tokens": len(res.output_ids),
-        "cached_tokens": 0,
-        "weight_version": res.weight_version,
-        "e2e_latency": round(latency, 6),
+        "weight_version": spans[-1][0] if spans else res.weight_version,
+        "num_retractions": res.retractions,
     }
     if logprob:
+        meta["input_token_logprobs"] = []
         meta["output_token_logprobs"] = [
             [lp, tid, None] for lp, tid in zip(res.logprobs, res.output_ids, strict=True)
         ]
+        meta["output_token_logprobs_length"] = n
         if req.top_logprobs_num:
+            meta["input_top_logprobs"] = []
             meta["output_top_logprobs"] = [
                 [[lp, tid, None] for tid, lp in top] for top in res.top_logprobs
             ]
+    meta["reasoning_tokens"] = 0
+    meta["completion_tokens"] = n
+    meta["cached_tokens"] = 0
+    meta["weight_versions"] = [{"version": v, "start": a, "end": min(b, n)} for v, a, b in spans]
+    meta["e2e_latency"] = round(latency, 6)
     return {"text": res.text, "output_ids": res.output_ids, "meta_info": meta}
 
 
+# -- pause, abort, cache -----------------------------------------------------------------------
+
+
+async def pause_generation(request: web.Request) -> web.Response:
+    body = await _json(request)
+    mode = field_of(body, "mode", "str", "abort")
+    if mode not in protocol.PAUSE_MODES:
+        raise BodyError("Input should be 'abort', 'retract' or 'in_place': mode")
+    await request.app[STATE].batcher.pause(mode)
+    log.info("generation paused (%s)", mode)
+    # http_server.py:1831-1841
+    return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+
+async def continue_generation(request: web.Request) -> web.Response:
+    await _json(request)
+    request.app[STATE].batcher.resume()
+    log.info("generation continued")
+    return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """http_server.py:1025-1040. Each batch builds its KV cache from scratch; the only cache
+    kept is that of a batch paused in place, which a flush may not drop."""
+    try:
+        timeout = float(request.query.get("timeout", 0.0))
+    except ValueError:
+        raise BodyError("Input should be a valid number: timeout") from None
+    if timeout < 0:
+        raise BodyError("Input should be greater than or equal to 0: timeout")
+    batcher = request.app[STATE].batcher
+    deadline = time.monotonic() + timeout
+    while not batcher.idle() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    if batcher.idle():
+        return web.Response(text=protocol.FLUSH_OK)
+    return web.Response(text=protocol.FLUSH_FAILED, status=400)
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    """http_server.py:1721-1731: AbortReq {rid, abort_all}; an empty 200."""
+    body = await _json(request)
+    rid = field_of(body, "rid", "str", None) or ""
+    batcher = request.app[STATE].batcher
+    if field_of(body, "abort_all", "bool", False):
+        await batcher.abort_all()
+    elif rid:
+        await batcher.abort(rid)
+    return web.Response(status=200)
+
+
+# -- weights -----------------------------------------------------------------------------------
+
+
 async def update_weights_from_disk(request: web.Request) -> web.Response:
+    """http_server.py:1300-1326 with UpdateWeightFromDiskReqInput (io_struct.py:1970-1993)."""
     st = request.app[STATE]
     body = await _json(request)
-    path = body.get("model_path")
-    if not path or not isinstance(path, str):
-        return web.json_response(
-            {"success": False, "message": "model_path is required"}, status=400
-        )
+    path = field_of(body, "model_path", "str")
+    version = field_of(body, "weight_version", "str", None)
+    flush = field_of(body, "flush_cache", "bool", True)
+    abort_all = field_of(body, "abort_all_requests", "bool", False)
+    if abort_all:
+        await st.batcher.abort_all()
     started = time.perf_counter()
     try:
         state = await st.batcher.worker.run(st.engine.read_weights, path)
     except WeightLoadError as e:
-        log.warning(
-            "weight update from %s failed, keeping version %s: %s",
-            path,
-            st.batcher.weight_version,
-            e,
-        )
-        return web.json_response({"success": False, "message": str(e)}, status=400)
-    aborted = await st.batcher.abort_all() if body.get("abort_all_requests") else 0
+        log.warning("weight update from %s failed, keeping version %s: %s", path,
+                    st.batcher.weight_version, e)  # fmt: skip
+        return _result(False, f"Failed to update weights: {e}.", num_paused_requests=0)
     old = st.batcher.weight_version
-    new = body.get("weight_version")
-    new = (
-        str(new)
-        if new is not None
-        else (str(int(old) + 1) if old.isdigit() else str(st.weight_updates + 1))
-    )
-    await st.batcher.swap_weights(state, path, new)
+    await st.batcher.swap_weights(state, path, None)
     st.weight_updates += 1
-    took = time.perf_counter() - started
-    log.info(
-        "weights updated: version %s -> %s from %s in %.2fs%s",
-        old,
-        new,
-        path,
-        took,
-        f" ({aborted} requests aborted)" if aborted else "",
-    )
-    return web.json_response(
-        {
-            "success": True,
-            "message": f"weights loaded from {path}; weight_version {new}",
-            "num_paused_requests": 0,
-            "weight_version": new,
-        }
-    )
+    if flush and st.batcher.holds_cache:
+        # weight_updater.py:120-135: the weights changed, the version did not.
+        return _result(False, protocol.FLUSH_AFTER_UPDATE_FAILED, num_paused_requests=0)
+    message = "Succeeded to update model weights."
+    if version is not None:
+        st.batcher.weight_version = version
+        message += f" Weight version updated to {version}."
+    log.info("weights updated from %s in %.2fs; version %s -> %s", path,
+             time.perf_counter() - started, old, st.batcher.weight_version)  # fmt: skip
+    return _result(True, message, num_paused_requests=0)
 
 
-async def pause_generation(request: web.Request) -> web.Response:
-    request.app[STATE].batcher.pause()
-    log.info("generation paused")
-    return web.json_response({"success": True, "message": "generation paused"})
-
-
-async def continue_generation(request: web.Request) -> web.Response:
-    request.app[STATE].batcher.resume()
-    log.info("generation continued")
-    return web.json_response({"success": True, "message": "generation continued"})
-
-
-async def flush_cache(request: web.Request) -> web.Response:
-    # Each batch builds its KV cache from scratch; there is nothing kept between requests.
-    return web.json_response({"success": True, "message": "cache flushed"})
-
-
-async def abort_request(request: web.Request) -> web.Response:
+async def update_weight_version(request: web.Request) -> web.Response:
+    """http_server.py:1527-1556 with UpdateWeightVersionReqInput (io_struct.py:2155-2159)."""
+    st = request.app[STATE]
     body = await _json(request)
-    if not body.get("abort_all"):
-        raise RequestError('the hf server aborts only all requests: send {"abort_all": true}')
-    n = await request.app[STATE].batcher.abort_all()
-    return web.json_response({"success": True, "message": f"{n} requests aborted"})
+    version = field_of(body, "new_version", "str")
+    if field_of(body, "abort_all_requests", "bool", True):
+        await st.batcher.abort_all()
+    st.batcher.weight_version = version
+    return web.json_response(
+        {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+    )
+
+
+async def init_weights_update_group(request: web.Request) -> web.Response:
+    """http_server.py:1404-1418 with InitWeightsUpdateGroupReqInput (io_struct.py:2126-2138)."""
+    body = await _json(request)
+    ok, message = await request.app[STATE].updates.init_group(
+        master_address=field_of(body, "master_address", "str"),
+        master_port=field_of(body, "master_port", "int"),
+        rank_offset=field_of(body, "rank_offset", "int"),
+        world_size=field_of(body, "world_size", "int"),
+        group_name=field_of(body, "group_name", "str", "weight_update_group"),
+        backend=field_of(body, "backend", "str", "nccl"),
+    )
+    return _result(ok, message)
+
+
+async def destroy_weights_update_group(request: web.Request) -> web.Response:
+    body = await _json(request)
+    name = field_of(body, "group_name", "str", "weight_update_group")
+    return _result(*await request.app[STATE].updates.destroy_group(name))
+
+
+async def begin_weight_update(request: web.Request) -> web.Response:
+    body = await _json(request)
+    if field_of(body, "selector", "str", "all") not in ("target", "draft", "all"):
+        raise BodyError("Input should be 'target', 'draft' or 'all': selector")
+    return _result(*request.app[STATE].updates.begin())
+
+
+async def end_weight_update(request: web.Request) -> web.Response:
+    await _json(request)
+    st = request.app[STATE]
+    ok, message = await st.updates.end()
+    if ok:
+        st.weight_updates += 1
+    return _result(ok, message)
+
+
+async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    """http_server.py:1488-1504 with UpdateWeightsFromDistributedReqInput (io_struct.py:2002-2019)."""
+    body = await _json(request)
+    ok, message = await request.app[STATE].updates.update(
+        names=field_of(body, "names", "list"),
+        dtypes=field_of(body, "dtypes", "list"),
+        shapes=field_of(body, "shapes", "list"),
+        group_name=field_of(body, "group_name", "str", "weight_update_group"),
+        weight_version=field_of(body, "weight_version", "str", None),
+        load_format=field_of(body, "load_format", "str", None),
+    )
+    return _result(ok, message)
 
 
 # -- OpenAI / vLLM ---------------------------------------------------------------------------
@@ -334,10 +485,10 @@ async def v1_completions(request: web.Request) -> web.Response:
     st = request.app[STATE]
     body = await _json(request)
     if body.get("stream"):
-        raise RequestError("streaming is not supported by the hf server; send stream: false")
+        raise RequestError("the hf server does not stream; send stream: false")
     model = body.get("model")
     if model not in (None, st.served_model_name, st.engine.model_path):
-        return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
+        return _openai_error(404, f"The model `{model}` does not exist.", "NotFoundError")
     if body.get("prompt") is None:
         raise RequestError("prompt is required")
     prompts, _ = _prompts(st.engine, *_openai_prompt(body["prompt"]))
@@ -352,19 +503,18 @@ async def v1_completions(request: web.Request) -> web.Response:
     reqs = []
     for ids in prompts:
         for j in range(n):
-            sp = SamplingParams.from_dict(
-                {
-                    "max_new_tokens": body.get("max_tokens", 16),
-                    "temperature": body.get("temperature"),
-                    "top_p": body.get("top_p"),
-                    "top_k": body.get("top_k"),
-                    "stop": body.get("stop"),
-                    "stop_token_ids": body.get("stop_token_ids"),
-                    "ignore_eos": body.get("ignore_eos", False),
-                    "seed": None if seed is None else int(seed) + j,
-                }
-            )
-            req = GenRequest(ids, sp, top_logprobs_num=top_n or 0)
+            params = {
+                "max_new_tokens": body.get("max_tokens", 16),
+                "temperature": body.get("temperature"),
+                "top_p": body.get("top_p"),
+                "top_k": body.get("top_k"),
+                "stop": body.get("stop"),
+                "stop_token_ids": body.get("stop_token_ids"),
+                "ignore_eos": body.get("ignore_eos", False),
+                "sampling_seed": None if seed is None else int(seed) + j,
+            }
+            sp = protocol.sampling_from(protocol.decode_sampling(params), st.engine.vocab_size)
+            req = GenRequest(ids, sp, rid=uuid.uuid4().hex, top_logprobs_num=top_n or 0)
             st.engine.check_request(req)
             reqs.append(req)
 
@@ -383,6 +533,10 @@ async def v1_completions(request: web.Request) -> web.Response:
         if body.get("return_token_ids"):
             choice["prompt_token_ids"] = req.input_ids
             choice["token_ids"] = res.output_ids
+        if body.get("return_weight_versions"):
+            choice["weight_versions"] = [
+                {"version": v, "start": a, "end": b} for v, a, b in res.spans
+            ]
         choices.append(choice)
     prompt_tokens = sum(len(ids) for ids in prompts)
     completion_tokens = sum(len(r.output_ids) for r in results)
@@ -433,14 +587,15 @@ def _openai_prompt(prompt: Any) -> tuple[Any, Any]:
 
 def _prompts(engine: Engine, input_ids: Any, text: Any) -> tuple[list[list[int]], bool]:
     """Token prompts and whether the request was a batch."""
-    if (input_ids is None) == (text is None):
-        raise RequestError("send exactly one of input_ids and text")
+    if input_ids is None and text is None:
+        # io_struct.py:445-455
+        raise RequestError("Either text, input_ids or input_embeds should be provided.")
     if text is not None:
         if isinstance(text, str):
             return [engine.encode(text)], False
-        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+        if isinstance(text, list) and all(isinstance(t, str) for t in text):
             return [engine.encode(t) for t in text], True
-        raise RequestError("text must be a string or a non-empty list of strings")
+        raise RequestError("Text should be a list for batch processing.")
     if isinstance(input_ids, list) and input_ids and all(isinstance(t, list) for t in input_ids):
         return [_token_list(ids) for ids in input_ids], True
     return [_token_list(input_ids)], False
@@ -452,6 +607,19 @@ def _token_list(ids: Any) -> list[int]:
     ):
         raise RequestError("input_ids must be a list of integers or a list of such lists")
     return ids
+
+
+def _rids(rid: Any, n: int, batched: bool) -> list[str]:
+    """io_struct.py:760-790: one id per item; a string prefixes generated ids in a batch."""
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(n)]
+    if isinstance(rid, str):
+        return [rid] if not batched else [f"{rid}_{i}" for i in range(n)]
+    if len(rid) != n:
+        raise RequestError(
+            "The specified rids length mismatch with the batch_size for batch processing."
+        )
+    return list(rid)
 
 
 def _per_item(value: Any, n: int, name: str) -> list[Any]:

@@ -1,13 +1,21 @@
 """The scheduling side of the hf reference server: a request queue and one batch loop.
 
-Requests from every endpoint join one queue; the loop takes up to `max_batch_size` of them,
-decodes them together in a worker thread, and answers each. The event loop stays free the whole
-time, so /health answers during generation.
+Requests from every endpoint join one queue; the loop takes up to `max_batch_size` of them
+and decodes them together in a worker thread (`engine.Decode`), answering each as it
+finishes. The event loop stays free the whole time, so /health answers during generation.
 
-The loop holds `lock` while a batch runs. Weight swaps take the same lock, so new weights land
-between batches, never inside one. Pausing stops the loop from taking new batches (queued and
-new requests wait; the running batch finishes). Aborting ends the running batch at its next
-step and answers every queued request with finish_reason "abort".
+The loop holds `lock` while a batch runs. Weight swaps take the same lock, so new weights
+land between steps of no batch, never inside one; each request records which weight
+version sampled which of its tokens (SGLang's `weight_versions` spans).
+
+Pausing follows SGLang's three modes (srt/managers/io_struct.py:1927-1946):
+    abort     running and queued requests end now with finish_reason "abort"
+    retract   the running batch stops at its next step; its requests go back to the front
+              of the queue, their output so far kept, and continue after /continue_generation
+              from prompt + output (a fresh cache, so under whatever weights are loaded then)
+    in_place  the running batch stops at its next step and keeps its cache; it continues
+              first after /continue_generation
+In every mode new requests wait until /continue_generation.
 """
 
 from __future__ import annotations
@@ -21,7 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from areal_cli.server.engine import Engine, GenRequest, GenResult
+from areal_cli.server.engine import Control, Decode, Engine, GenRequest, GenResult
+from areal_cli.server.protocol import finish_abort
 
 T = TypeVar("T")
 
@@ -81,26 +90,31 @@ class Batcher:
         max_batch_size: int = 32,
         batch_window_s: float = 0.005,
         seed: int | None = None,
+        weight_version: str = "default",
     ):
         self.engine = engine
         self.worker = worker
         self.max_batch_size = max(1, max_batch_size)
         self.batch_window_s = batch_window_s
         self.seed = seed
-        self.weight_version = "0"
+        self.weight_version = weight_version
         self.lock = asyncio.Lock()
-        self.abort = threading.Event()
+        self.control = Control()
+        self.pause_mode: str | None = None
         self._queue: deque[_Pending] = deque()
         self._arrived = asyncio.Event()
         self._resumed = asyncio.Event()
         self._resumed.set()
+        self._running: list[_Pending] = []
+        # A batch paused in place: resumed, with its cache, before anything else.
+        self._suspended: tuple[Decode, list[_Pending]] | None = None
         self._arrivals = 0
-        self._running = 0
         self._closed = False
         self.requests_served = 0
         self.batches_run = 0
         self.max_batch_size_seen = 0
         self.tokens_generated = 0
+        self.retractions = 0
         self.batch_sizes: Counter[int] = Counter()
 
     # -- requests ---------------------------------------------------------------------------
@@ -120,53 +134,83 @@ class Batcher:
         seed and leaves the arrival count alone."""
         if seeded:
             for r in reqs:
-                r.seed = self._seed_for(r.params.seed)
+                r.seed = self._seed_for(r.params.sampling_seed)
         loop = asyncio.get_running_loop()
         pending = [_Pending(r, loop.create_future()) for r in reqs]
         if self._closed:
-            return [_aborted(r, self.weight_version) for r in reqs]
+            return [self._aborted(r) for r in reqs]
         self._queue.extend(pending)
         self._arrived.set()
         try:
             return list(await asyncio.gather(*(p.fut for p in pending)))
-        except asyncio.CancelledError:  # the client went away: drop what has not started
+        except asyncio.CancelledError:  # the client went away: stop its work
             for p in pending:
                 p.fut.cancel()
+                self.control.abort_rids.add(p.req.rid)
             raise
 
     # -- the loop ---------------------------------------------------------------------------
 
     async def run(self) -> None:
         while True:
-            while not self._queue:
-                self._arrived.clear()
-                await self._arrived.wait()
             await self._resumed.wait()
-            if len(self._queue) < self.max_batch_size and self.batch_window_s > 0:
-                # Requests fired together arrive a few hundred microseconds apart.
-                await asyncio.sleep(self.batch_window_s)
-            batch = self._take()
-            if not batch:
-                continue
-            async with self.lock:
-                version = self.weight_version
-                self._running = len(batch)
-                try:
-                    results = await self.worker.run(
-                        self.engine.generate, [p.req for p in batch], self.abort
-                    )
-                except Exception as e:
-                    for p in batch:
-                        if not p.fut.done():
-                            p.fut.set_exception(e)
+            if self._suspended is not None:
+                decode, batch = self._suspended
+                self._suspended = None
+            else:
+                while not self._queue:
+                    self._arrived.clear()
+                    await self._arrived.wait()
+                await self._resumed.wait()
+                if len(self._queue) < self.max_batch_size and self.batch_window_s > 0:
+                    # Requests fired together arrive a few hundred microseconds apart.
+                    await asyncio.sleep(self.batch_window_s)
+                if not self._resumed.is_set():
                     continue
-                finally:
-                    self._running = 0
-            self._record(batch, results)
-            for p, r in zip(batch, results, strict=True):
-                r.weight_version = version
-                if not p.fut.done():
-                    p.fut.set_result(r)
+                batch = self._take()
+                if not batch:
+                    continue
+                decode = Decode(self.engine, [p.req for p in batch])
+                self._record(batch)
+            await self._run_segment(decode, batch)
+
+    async def _run_segment(self, decode: Decode, batch: list[_Pending]) -> None:
+        async with self.lock:
+            version = self.weight_version
+            starts = [len(p.req.output_ids) for p in batch]
+            self._running = batch
+            try:
+                done = await self.worker.run(decode.run, self.control)
+            except Exception as e:
+                for p in batch:
+                    if not p.fut.done():
+                        p.fut.set_exception(e)
+                return
+            finally:
+                self._running = []
+        for p, start in zip(batch, starts, strict=True):
+            p.req.record_span(version, start)
+        self._answer_finished(decode, batch)
+        if done:
+            return
+        # Suspended by a pause (the abort mode never suspends: rows end as aborted).
+        if self.pause_mode == "in_place":
+            self._suspended = (decode, batch)
+            return
+        retracted = {id(r) for r in decode.retract()}
+        again = [p for p in batch if id(p.req) in retracted and not p.fut.done()]
+        self.retractions += len(again)
+        self._queue.extendleft(reversed(again))
+
+    def _answer_finished(self, decode: Decode, batch: list[_Pending]) -> None:
+        for i in decode.finished_indices():
+            result = decode.take(i)
+            p = batch[i]
+            self.requests_served += 1
+            self.tokens_generated += len(result.output_ids)
+            self.control.abort_rids.discard(p.req.rid)
+            if not p.fut.done():
+                p.fut.set_result(result)
 
     def _take(self) -> list[_Pending]:
         batch: list[_Pending] = []
@@ -174,14 +218,14 @@ class Batcher:
             p = self._queue.popleft()
             if not p.fut.done():
                 batch.append(p)
+            else:
+                self.control.abort_rids.discard(p.req.rid)
         return batch
 
-    def _record(self, batch: list[_Pending], results: list[GenResult]) -> None:
+    def _record(self, batch: list[_Pending]) -> None:
         self.batches_run += 1
-        self.requests_served += len(batch)
         self.max_batch_size_seen = max(self.max_batch_size_seen, len(batch))
         self.batch_sizes[len(batch)] += 1
-        self.tokens_generated += sum(len(r.output_ids) for r in results)
 
     # -- control ----------------------------------------------------------------------------
 
@@ -189,24 +233,71 @@ class Batcher:
     def paused(self) -> bool:
         return not self._resumed.is_set()
 
-    def pause(self) -> None:
+    async def pause(self, mode: str) -> None:
+        """SGLang's /pause_generation: see the module docstring for the modes."""
+        self.pause_mode = mode
         self._resumed.clear()
+        if mode == "abort":
+            await self.abort_all()
+            return
+        self.control.suspend.set()
+        async with self.lock:  # the running batch has stopped at its next step
+            pass
 
     def resume(self) -> None:
+        self.pause_mode = None
+        self.control.suspend.clear()
         self._resumed.set()
 
+    @property
+    def holds_cache(self) -> bool:
+        """A batch paused in place keeps a cache built with the weights it started with."""
+        return self._suspended is not None
+
+    def idle(self) -> bool:
+        """Nothing holds a cache built with the current weights: SGLang's is_fully_idle with
+        waiting requests ignored while paused (scheduler.py:5520)."""
+        return self._suspended is None and not self._running and (self.paused or not self._queue)
+
     async def abort_all(self) -> int:
-        """Answer every queued request as aborted and end the running batch at its next step.
-        Returns how many requests were cut short."""
-        self.abort.set()
+        """Answer every queued and suspended request as aborted and end the running batch at
+        its next step. Returns how many requests were cut short."""
+        self.control.abort.set()
         try:
-            aborted = self._drain() + self._running
+            aborted = self._drain() + len(self._running)
+            if self._suspended is not None:
+                decode, batch = self._suspended
+                self._suspended = None
+                aborted += await self._abort_decode(decode, batch)
             async with self.lock:  # the running batch has seen the flag and ended
                 pass
             return aborted
         finally:
             if not self._closed:
-                self.abort.clear()
+                self.control.abort.clear()
+
+    async def abort(self, rid: str) -> None:
+        """/abort_request for one request id: queued, suspended or running."""
+        for p in list(self._queue):
+            if p.req.rid == rid and not p.fut.done():
+                self._queue.remove(p)
+                p.fut.set_result(self._aborted(p.req))
+        if self._suspended is not None:
+            decode, batch = self._suspended
+            for p in batch:
+                if p.req.rid == rid and p.req.finished is None:
+                    p.req.finished = finish_abort()
+            self._answer_finished(decode, batch)
+        if self._running:
+            self.control.abort_rids.add(rid)
+
+    async def _abort_decode(self, decode: Decode, batch: list[_Pending]) -> int:
+        for p in batch:
+            if p.req.finished is None:
+                p.req.finished = finish_abort()
+        n = len(decode.finished_indices())
+        self._answer_finished(decode, batch)
+        return n
 
     async def close(self) -> None:
         """Shutdown: abort everything, now and from here on."""
@@ -219,14 +310,29 @@ class Batcher:
         while self._queue:
             p = self._queue.popleft()
             if not p.fut.done():
-                p.fut.set_result(_aborted(p.req, self.weight_version))
+                p.fut.set_result(self._aborted(p.req))
                 n += 1
         return n
 
-    async def swap_weights(self, state: dict[str, Any], path: str, version: str) -> None:
+    def _aborted(self, req: GenRequest) -> GenResult:
+        req.finished = finish_abort()
+        req.record_span(self.weight_version, len(req.output_ids))
+        return GenResult(
+            output_ids=req.output_ids,
+            logprobs=req.logprobs,
+            top_logprobs=req.top_logprobs,
+            finish_reason=req.finished,
+            text=self.engine.decode(req.output_ids) if req.output_ids else "",
+            prompt_tokens=len(req.input_ids),
+            retractions=req.retractions,
+            spans=req.spans,
+        )
+
+    async def swap_weights(self, state: dict[str, Any], path: str | None, version: str | None):
         async with self.lock:
             await self.worker.run(self.engine.swap_weights, state, path)
-            self.weight_version = version
+            if version is not None:
+                self.weight_version = version
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -236,19 +342,9 @@ class Batcher:
             "max_batch_size": self.max_batch_size,
             "batch_size_histogram": {str(k): v for k, v in sorted(self.batch_sizes.items())},
             "tokens_generated": self.tokens_generated,
+            "retractions": self.retractions,
             "queued": len(self._queue),
-            "running": self._running,
+            "running": len(self._running),
             "paused": self.paused,
+            "pause_mode": self.pause_mode,
         }
-
-
-def _aborted(req: GenRequest, version: str) -> GenResult:
-    return GenResult(
-        output_ids=[],
-        logprobs=[],
-        top_logprobs=[],
-        finish_reason={"type": "abort", "message": "aborted before it started"},
-        text="",
-        prompt_tokens=len(req.input_ids),
-        weight_version=version,
-    )

@@ -2,16 +2,18 @@
 
 Everything here is synchronous torch work; the aiohttp app runs it in a worker thread.
 
-Generation decodes a batch together: prompts are left-padded, the prompt pass fills a KV
-cache, then one token per row per step. Each row keeps its own sampling parameters, its own
-random generator and its own stop conditions; a finished row rides along (fed padding) until
-the whole batch is done.
+A `Decode` is one batch on its way: prompts are left-padded, the prompt pass fills a KV
+cache, then one token per row per step. Each row keeps its own sampling parameters, random
+generator and stop conditions; a finished row rides along (fed padding) until the whole batch
+is done. `Decode.run` returns early when told to suspend, keeping its cache, so the batcher
+can pause a batch in place, retract its rows (they continue later from prompt + output so
+far, with a fresh cache), or abort them.
 
 Logprobs: a reported logprob is that of the sampled token under the distribution it was drawn
-from before truncation, log_softmax(logits / temperature). For greedy rows (temperature 0)
-that is log_softmax(raw logits). top-k / top-p truncation narrows the candidates but is not
-renormalised into the reported value, which is what a trainer recomputes from the same logits
-and temperature.
+from before truncation, log_softmax(logits / temperature). For greedy rows (temperature 0,
+which SGLang turns into top_k 1 at temperature 1) that is log_softmax(raw logits). top-k /
+top-p / min-p truncation narrows the candidates but is not renormalised into the reported
+value, which is what a trainer recomputes from the same logits and temperature.
 """
 
 from __future__ import annotations
@@ -22,14 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Below this a temperature means greedy, as SGLang treats it.
-GREEDY_TEMPERATURE = 1e-5
+from areal_cli.server.protocol import RequestError, Sampling, finish_abort
+
 # Below this many parameters CPU decoding runs on one intra-op thread (see _auto_cpu_threads).
 SMALL_MODEL_PARAMS = 50_000_000
 
-
-class RequestError(ValueError):
-    """A request the engine cannot serve as asked (the HTTP layer answers 400)."""
+__all__ = ["Decode", "Engine", "GenRequest", "GenResult", "RequestError", "WeightLoadError"]
 
 
 class WeightLoadError(RuntimeError):
@@ -37,52 +37,39 @@ class WeightLoadError(RuntimeError):
 
 
 @dataclass
-class SamplingParams:
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: list[int] = field(default_factory=list)
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    seed: int | None = None
+class Control:
+    """Flags a running `Decode` looks at between steps (set from the event loop)."""
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
-        """Parse SGLang-style sampling params; unknown keys are ignored as SGLang does."""
-        d = d or {}
-        if not isinstance(d, dict):
-            raise RequestError("sampling_params must be an object")
-        try:
-            p = cls(
-                max_new_tokens=int(_default(d.get("max_new_tokens"), 128)),
-                temperature=float(_default(d.get("temperature"), 1.0)),
-                top_p=float(_default(d.get("top_p"), 1.0)),
-                top_k=int(_default(d.get("top_k"), -1)),
-                stop_token_ids=[int(t) for t in d.get("stop_token_ids") or []],
-                stop=_str_list(d.get("stop")),
-                ignore_eos=bool(d.get("ignore_eos", False)),
-                seed=None if d.get("seed") is None else int(d["seed"]),
-            )
-        except (TypeError, ValueError) as e:
-            raise RequestError(f"bad sampling_params: {e}") from e
-        if p.max_new_tokens < 0:
-            raise RequestError("max_new_tokens must be >= 0")
-        if p.temperature < 0:
-            raise RequestError("temperature must be >= 0")
-        if not 0 < p.top_p <= 1:
-            raise RequestError("top_p must be in (0, 1]")
-        return p
+    abort: threading.Event = field(default_factory=threading.Event)
+    suspend: threading.Event = field(default_factory=threading.Event)
+    abort_rids: set[str] = field(default_factory=set)
 
 
 @dataclass
 class GenRequest:
     input_ids: list[int]
-    params: SamplingParams
+    params: Sampling
     # The batcher sets it on arrival (see Batcher.submit).
     seed: int = 0
     rid: str = ""
     top_logprobs_num: int = 0
+    # Progress, kept across retractions: what earlier segments of this request produced.
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    retractions: int = 0
+    # [version, start, end) over output positions: which weights sampled which tokens.
+    spans: list[list[Any]] = field(default_factory=list)
+    finished: dict[str, Any] | None = None
+    text: str | None = None
+    generator: Any = None
+
+    def record_span(self, version: str, start: int) -> None:
+        end = len(self.output_ids)
+        if self.spans and self.spans[-1][0] == version:
+            self.spans[-1][2] = end
+        elif end > start or not self.spans:
+            self.spans.append([version, start, end])
 
 
 @dataclass
@@ -94,8 +81,12 @@ class GenResult:
     finish_reason: dict[str, Any]
     text: str
     prompt_tokens: int
-    # The weights that produced it; the batcher fills it in.
-    weight_version: str = ""
+    retractions: int = 0
+    spans: list[list[Any]] = field(default_factory=list)
+
+    @property
+    def weight_version(self) -> str:
+        return self.spans[-1][0] if self.spans else ""
 
 
 class Engine:
@@ -170,7 +161,7 @@ class Engine:
     def _warm_up(self) -> None:
         # The first forward pass pays for lazy initialisation (kernels, mask helpers); pay it
         # before the server reports ready rather than in the first request.
-        sp = SamplingParams(max_new_tokens=2, temperature=1.0, ignore_eos=True)
+        sp = Sampling(max_new_tokens=2, ignore_eos=True)
         self.generate([GenRequest([self.pad_token_id] * n, sp, seed=0) for n in (1, 2)])
 
     def read_weights(self, path: str | Path) -> dict[str, Any]:
@@ -204,18 +195,32 @@ class Engine:
                 )
         return {name: state[name] for name in current}
 
-    def swap_weights(self, state: dict[str, Any], path: str | Path) -> None:
-        """Install weights from `read_weights`. Call only between batches."""
-        self.model.load_state_dict(state, strict=True)
-        self.weights_path = str(path)
+    def swap_weights(self, state: dict[str, Any], path: str | Path | None = None) -> None:
+        """Install weights from `read_weights` or a received update (a subset of the
+        tensors is fine). Call only between batches."""
+        import torch
+
+        params = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in state.items():
+                params[name].copy_(tensor)
+        if path is not None:
+            self.weights_path = str(path)
+
+    def tensor_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """name -> (dtype name, shape) of every tensor a weight update may replace."""
+        return {
+            name: (str(t.dtype).removeprefix("torch."), tuple(t.shape))
+            for name, t in self.model.state_dict().items()
+        }
 
     # -- text -------------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -223,93 +228,25 @@ class Engine:
     def check_request(self, req: GenRequest) -> None:
         """Reject what generation cannot do, before the request joins a batch."""
         if not req.input_ids:
-            raise RequestError("the prompt is empty")
+            raise RequestError("input_ids cannot be empty.")  # io_struct.py:499
         bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError(
                 f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})"
             )
-        if len(req.input_ids) >= self.context_length:
+        if len(req.input_ids) >= self.context_length:  # tokenizer_manager.py:1337-1351
             raise RequestError(
-                f"the prompt has {len(req.input_ids)} tokens; the context length is "
-                f"{self.context_length}"
+                f"The input ({len(req.input_ids)} tokens) is longer than the model's context "
+                f"length ({self.context_length} tokens)."
             )
 
     # -- generation -------------------------------------------------------------------------
 
-    def generate(
-        self, reqs: list[GenRequest], abort: threading.Event | None = None
-    ) -> list[GenResult]:
-        """Decode `reqs` as one batch. Rows still running when `abort` is set end as 'abort'."""
-        import torch
-
-        with torch.inference_mode():
-            return self._generate(reqs, abort)
-
-    def _generate(self, reqs: list[GenRequest], abort: threading.Event | None) -> list[GenResult]:
-        import torch
-
-        dev = self.device
-        n = len(reqs)
-        rows = [_Row(r, self, dev) for r in reqs]
-        steps = max(row.budget for row in rows)
-        if steps == 0:
-            return [row.result(self) for row in rows]
-
-        width = max(len(r.input_ids) for r in reqs)
-        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for i, r in enumerate(reqs):
-            ids[i, width - len(r.input_ids) :] = torch.tensor(r.input_ids)
-            mask[i, width - len(r.input_ids) :] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-
-        temps = torch.tensor([r.params.temperature for r in reqs], device=dev)
-        greedy = temps < GREEDY_TEMPERATURE
-        temps = torch.where(greedy, torch.ones_like(temps), temps)
-        top_k = [r.params.top_k for r in reqs]
-        top_p = [r.params.top_p for r in reqs]
-        top_n = max(r.top_logprobs_num for r in reqs)
-
-        logits, cache = self._forward(ids, mask, positions, None)
-        for _ in range(steps):
-            logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
-            tokens = self._sample(logits / temps[:, None], greedy, top_k, top_p, rows)
-            chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
-            tops = logprobs.topk(min(top_n, logprobs.shape[-1]), dim=-1) if top_n else None
-            token_list = tokens.tolist()
-            for i, row in enumerate(rows):
-                if row.finished is None:
-                    top = None
-                    if tops is not None and row.req.top_logprobs_num:
-                        k = row.req.top_logprobs_num
-                        top = list(
-                            zip(
-                                tops.indices[i, :k].tolist(),
-                                tops.values[i, :k].tolist(),
-                                strict=True,
-                            )
-                        )
-                    row.push(token_list[i], chosen[i], top, self)
-            if all(row.finished is not None for row in rows):
-                break
-            if abort is not None and abort.is_set():
-                for row in rows:
-                    if row.finished is None:
-                        row.finished = {"type": "abort", "message": "aborted"}
-                break
-            feed = torch.tensor(
-                [
-                    t if row.finished is None else self.pad_token_id
-                    for t, row in zip(token_list, rows, strict=True)
-                ],
-                device=dev,
-            )[:, None]
-            mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=dev)], dim=1)
-            positions = positions[:, -1:] + 1
-            logits, cache = self._forward(feed, mask, positions, cache)
-        return [row.result(self) for row in rows]
+    def generate(self, reqs: list[GenRequest]) -> list[GenResult]:
+        """Decode `reqs` as one batch to the end (warm-up and tests)."""
+        decode = Decode(self, reqs)
+        decode.run(Control())
+        return [r for r in decode.results() if r is not None]
 
     def _forward(self, ids: Any, mask: Any, positions: Any, cache: Any) -> tuple[Any, Any]:
         kwargs: dict[str, Any] = {
@@ -325,16 +262,117 @@ class Engine:
         new_cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
         return out.logits[:, -1, :].float(), new_cache
 
-    def _sample(
-        self, scaled: Any, greedy: Any, top_k: list[int], top_p: list[float], rows: list[_Row]
-    ) -> Any:
+
+class Decode:
+    """One batch mid-decode: its rows, the KV cache and the logits of the next step.
+
+    Call `run` in the torch thread; it returns True when every row has finished, or False
+    when `control.suspend` was set (the state stays, and `run` continues it later; the
+    weights may have changed in between, as with SGLang's in-place pause). `retract()`
+    hands the unfinished requests back, their progress kept, to be decoded again later.
+    """
+
+    def __init__(self, engine: Engine, reqs: list[GenRequest]):
+        self.engine = engine
+        self.reqs = reqs
+        self.rows = [_Row(r, engine) for r in reqs]
+        self.answered = [False] * len(reqs)
+        self._started = False
+        self._feed: Any = None  # tokens sampled last step, not yet run through the model
+        self._logits: Any = None
+        self._cache: Any = None
+        self._mask: Any = None
+        self._positions: Any = None
+
+    def run(self, control: Control) -> bool:
         import torch
 
+        with torch.inference_mode():
+            return self._run(control)
+
+    def _run(self, control: Control) -> bool:
+        import torch
+
+        if all(row.done for row in self.rows):
+            return True
+        if not self._started:
+            self._prefill()
+        temps = torch.tensor([r.params.temperature for r in self.reqs], device=self.engine.device)
+        top_n = max(r.top_logprobs_num for r in self.reqs)
+        while True:
+            if self._feed is not None:
+                self._step_forward()
+            self._abort_marked(control)
+            if control.suspend.is_set() or all(row.done for row in self.rows):
+                return all(row.done for row in self.rows)
+            logprobs = torch.log_softmax(self._logits / temps[:, None], dim=-1)
+            tokens = self._sample(self._logits / temps[:, None])
+            chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+            tops = logprobs.topk(min(top_n, logprobs.shape[-1]), dim=-1) if top_n else None
+            token_list = tokens.tolist()
+            for i, row in enumerate(self.rows):
+                if not row.done:
+                    top = None
+                    if tops is not None and row.req.top_logprobs_num:
+                        k = row.req.top_logprobs_num
+                        idx, val = tops.indices[i, :k].tolist(), tops.values[i, :k].tolist()
+                        top = list(zip(idx, val, strict=True))
+                    row.push(token_list[i], chosen[i], top, self.engine)
+            if all(row.done for row in self.rows):
+                return True
+            pad = self.engine.pad_token_id
+            self._feed = [
+                t if not row.done else pad for t, row in zip(token_list, self.rows, strict=True)
+            ]
+
+    def _prefill(self) -> None:
+        import torch
+
+        dev = self.engine.device
+        prompts = [r.input_ids + r.output_ids for r in self.reqs]
+        n, width = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((n, width), self.engine.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            ids[i, width - len(prompt) :] = torch.tensor(prompt)
+            mask[i, width - len(prompt) :] = 1
+        ids, self._mask = ids.to(dev), mask.to(dev)
+        self._positions = (self._mask.cumsum(-1) - 1).clamp(min=0)
+        self._logits, self._cache = self.engine._forward(ids, self._mask, self._positions, None)
+        self._started = True
+
+    def _step_forward(self) -> None:
+        import torch
+
+        dev = self.engine.device
+        feed = torch.tensor(self._feed, device=dev)[:, None]
+        n = feed.shape[0]
+        self._mask = torch.cat(
+            [self._mask, torch.ones((n, 1), dtype=self._mask.dtype, device=dev)], dim=1
+        )
+        self._positions = self._positions[:, -1:] + 1
+        self._logits, self._cache = self.engine._forward(
+            feed, self._mask, self._positions, self._cache
+        )
+        self._feed = None
+
+    def _abort_marked(self, control: Control) -> None:
+        for row in self.rows:
+            if not row.done and (control.abort.is_set() or row.req.rid in control.abort_rids):
+                row.req.finished = finish_abort()
+
+    def _sample(self, scaled: Any) -> Any:
+        import torch
+
+        reqs = self.reqs
         vocab = scaled.shape[-1]
         filtered = scaled
-        if any(0 < k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        top_k = [r.params.top_k for r in reqs]
+        top_p = [r.params.top_p for r in reqs]
+        min_p = [r.params.min_p for r in reqs]
+        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p) or any(min_p):
             sorted_logits, order = scaled.sort(dim=-1, descending=True)
-            ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=scaled.device)
+            ks = torch.tensor([min(k, vocab) for k in top_k], device=scaled.device)
             ranks = torch.arange(vocab, device=scaled.device)[None, :]
             drop = ranks >= ks[:, None]
             probs = sorted_logits.softmax(dim=-1)
@@ -344,72 +382,103 @@ class Engine:
             )
             # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
             drop |= (probs.cumsum(dim=-1) - probs) >= ps[:, None]
+            mins = torch.tensor(min_p, device=scaled.device, dtype=probs.dtype)
+            drop |= probs < mins[:, None] * probs[:, :1]
+            drop[:, 0] = False
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             filtered = torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits)
         probs = filtered.softmax(dim=-1)
         argmax = scaled.argmax(dim=-1)
         picks = []
-        greedy_rows = greedy.tolist()
-        for i, row in enumerate(rows):
-            if greedy_rows[i] or row.finished is not None:
+        for i, row in enumerate(self.rows):
+            if row.req.params.greedy or row.done:
                 picks.append(argmax[i])
             else:
-                picks.append(torch.multinomial(probs[i], 1, generator=row.generator)[0])
+                picks.append(torch.multinomial(probs[i], 1, generator=row.req.generator)[0])
         return torch.stack(picks)
+
+    def finished_indices(self) -> list[int]:
+        """Rows finished and not yet handed out (see `take`)."""
+        return [i for i, row in enumerate(self.rows) if row.done and not self.answered[i]]
+
+    def take(self, i: int) -> GenResult:
+        self.answered[i] = True
+        return self.rows[i].result(self.engine)
+
+    def results(self) -> list[GenResult | None]:
+        return [self.take(i) if self.rows[i].done else None for i in range(len(self.rows))]
+
+    def retract(self) -> list[GenRequest]:
+        """The unfinished requests, to run again from prompt + output so far."""
+        out = []
+        for row in self.rows:
+            if not row.done:
+                row.req.retractions += 1
+                out.append(row.req)
+        self._cache = self._logits = None
+        return out
 
 
 class _Row:
-    """One request's progress through a batch."""
+    """One request's progress through a batch (its state lives on the request itself)."""
 
-    def __init__(self, req: GenRequest, engine: Engine, device: str):
+    def __init__(self, req: GenRequest, engine: Engine):
         import torch
 
         self.req = req
         p = req.params
+        done_tokens = len(req.output_ids)
         room = engine.context_length - len(req.input_ids)
-        self.budget = max(0, min(p.max_new_tokens, room))
+        limit = room if p.max_new_tokens is None else min(p.max_new_tokens, room)
+        self.budget = max(0, limit)
         self.stop_ids = set(p.stop_token_ids)
         if not p.ignore_eos:
             self.stop_ids |= engine.eos_token_ids
-        self.generator = torch.Generator(device=device).manual_seed(req.seed)
-        self.output_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.top_logprobs: list[list[tuple[int, float]]] = []
-        self.text: str | None = None
-        self.finished: dict[str, Any] | None = (
-            {"type": "length", "length": 0} if self.budget == 0 else None
-        )
+        if req.generator is None:
+            req.generator = torch.Generator(device=engine.device).manual_seed(req.seed % (1 << 63))
+        if req.finished is None and done_tokens >= self.budget:
+            req.finished = {"type": "length", "length": done_tokens}
+
+    @property
+    def done(self) -> bool:
+        return self.req.finished is not None
 
     def push(
         self, token: int, logprob: float, top: list[tuple[int, float]] | None, engine: Engine
     ) -> None:
-        self.output_ids.append(token)
-        self.logprobs.append(logprob)
+        req = self.req
+        req.output_ids.append(token)
+        req.logprobs.append(logprob)
         if top is not None:
-            self.top_logprobs.append(top)
+            req.top_logprobs.append(top)
         if token in self.stop_ids:
-            self.finished = {"type": "stop", "matched": token}
+            req.finished = {"type": "stop", "matched": token}
             return
-        if self.req.params.stop:
-            text = engine.decode(self.output_ids)
-            for s in self.req.params.stop:
+        if req.params.stop:
+            text = engine.decode(req.output_ids, req.params.skip_special_tokens)
+            for s in req.params.stop:
                 at = text.find(s)
                 if at >= 0:
-                    self.text = text[:at]
-                    self.finished = {"type": "stop", "matched": s}
+                    req.text = text if req.params.no_stop_trim else text[:at]
+                    req.finished = {"type": "stop", "matched": s}
                     return
-        if len(self.output_ids) >= self.budget:
-            self.finished = {"type": "length", "length": len(self.output_ids)}
+        if len(req.output_ids) >= self.budget:
+            req.finished = {"type": "length", "length": len(req.output_ids)}
 
     def result(self, engine: Engine) -> GenResult:
-        text = self.text if self.text is not None else engine.decode(self.output_ids)
+        req = self.req
+        text = req.text
+        if text is None:
+            text = engine.decode(req.output_ids, req.params.skip_special_tokens)
         return GenResult(
-            output_ids=self.output_ids,
-            logprobs=self.logprobs,
-            top_logprobs=self.top_logprobs,
-            finish_reason=self.finished or {"type": "abort", "message": "aborted"},
+            output_ids=req.output_ids,
+            logprobs=req.logprobs,
+            top_logprobs=req.top_logprobs,
+            finish_reason=req.finished or finish_abort(),
             text=text,
-            prompt_tokens=len(self.req.input_ids),
+            prompt_tokens=len(req.input_ids),
+            retractions=req.retractions,
+            spans=req.spans,
         )
 
 
@@ -465,15 +534,3 @@ def _eos_ids(config: Any, tokenizer: Any, gen_config: Any) -> set[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return ids
-
-
-def _default(value: Any, default: Any) -> Any:
-    return default if value is None else value
-
-
-def _str_list(value: Any) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    return [str(v) for v in value]

@@ -1,15 +1,24 @@
-"""Token-in/token-out generation spread over a pool of inference servers.
+"""Token-in/token-out generation spread over a pool of inference servers, and their control.
 
 One `RolloutClient` owns one aiohttp session and a view of every server: how many
 requests it is serving right now, whether it failed recently, and the weight version it
 reported last. A request goes to the live server with the fewest requests in flight; a
 server that refuses, resets, times out or answers 5xx is skipped for `cooldown` seconds
-and the request moves on to another one.
+and the request moves on to another one. A completion a server aborted (finish_reason
+"abort", e.g. a pause in abort mode) is retried, never returned.
 
-Two wire protocols:
-    sglang, hf   SGLang-native `POST /generate` with `input_ids` and `sampling_params`
+Two wire protocols, as SGLang 0.5.23 and vLLM 0.33 define them:
+    sglang, hf   `POST /generate` with `input_ids` and `sampling_params` (only keys SGLang
+                 knows: it answers 400 to any other; its seed key is `sampling_seed`);
+                 versions from `GET /model_info` and each reply's `meta_info.weight_version`;
+                 control: /pause_generation {mode}, /continue_generation,
+                 /update_weights_from_disk {model_path, weight_version}, and the distributed
+                 update routes (/init_weights_update_group ... /end_weight_update)
     vllm         OpenAI-style `POST /v1/completions` with a token-id prompt, token ids
-                 returned as "token_id:N" strings (`return_tokens_as_token_ids`)
+                 returned as "token_id:N" strings; control on its dev routes (served only
+                 with VLLM_SERVER_DEV_MODE=1): /pause?mode=, /resume, /collective_rpc
+                 (reload_weights), /update_weight_version, /weight_info, and its native
+                 weight transfer (/init_weight_transfer_engine ... /finish_weight_update)
 
 Async code awaits the methods directly; synchronous training loops call
 `client.run(client.generate_batch(...))`, which keeps one private event loop alive so
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 from collections.abc import Coroutine, Iterable, Sequence
 from dataclasses import dataclass
@@ -28,6 +38,9 @@ from typing import Any, TypeVar
 from areal_cli.errors import LaunchError, UsageError
 
 BACKENDS = ("sglang", "hf", "vllm")
+# SGLang's pause modes (srt/managers/io_struct.py:1927-1946) and vLLM's
+# (vllm/v1/engine/__init__.py:33); the first is what a weight sync uses by default.
+PAUSE_MODES = {"sglang": ("retract", "abort", "in_place"), "vllm": ("keep", "abort", "wait")}
 T = TypeVar("T")
 
 
@@ -45,6 +58,9 @@ class Completion:
     weight_version: str | None
     server: str
     text: str | None = None
+    # [(version, start, end)] over output positions when the weights changed mid-request
+    # (a retracted request that continued after a weight update); None when unknown.
+    weight_versions: list[tuple[str, int, int]] | None = None
 
 
 @dataclass
@@ -76,6 +92,10 @@ class _Retryable(Exception):
         self.cooldown = cooldown
 
 
+class _NotFound(RolloutError):
+    """HTTP 404: the server does not have this route (an older or newer version)."""
+
+
 def _normalise_addr(addr: str) -> str:
     addr = addr.strip().rstrip("/")
     for prefix in ("http://", "https://"):
@@ -91,8 +111,10 @@ def _sampling(
     top_k: int = -1,
     stop_token_ids: Sequence[int] | None = None,
     ignore_eos: bool = False,
+    seed: int | None = None,
 ) -> dict[str, Any]:
-    """SGLang-style sampling params (vLLM's request is built from the same dict)."""
+    """SGLang sampling params, only keys SGLang 0.5.23 knows (sglang/api/v1/api_types.py:1256);
+    vLLM's request is built from the same dict."""
     params: dict[str, Any] = {
         "max_new_tokens": int(max_new_tokens),
         "temperature": float(temperature),
@@ -102,6 +124,8 @@ def _sampling(
     }
     if ignore_eos:
         params["ignore_eos"] = True
+    if seed is not None:
+        params["sampling_seed"] = int(seed)
     return params
 
 
@@ -285,13 +309,18 @@ class RolloutClient:
         path: str,
         payload: dict | None = None,
         timeout: float | None = None,
+        params: dict[str, str] | None = None,
     ) -> Any:
         session = self._session or self._ensure_session()
         aiohttp = self._aiohttp
         client_timeout = self._timeout if timeout is None else aiohttp.ClientTimeout(total=timeout)
         try:
             async with session.request(
-                method, f"http://{server.addr}{path}", json=payload, timeout=client_timeout
+                method,
+                f"http://{server.addr}{path}",
+                json=payload,
+                params=params,
+                timeout=client_timeout,
             ) as resp:
                 if resp.status >= 500 or resp.status == 429:
                     body = (await resp.text())[:300]
@@ -306,18 +335,34 @@ class RolloutClient:
                         if resp.status in (401, 403)
                         else None
                     )
-                    raise RolloutError(
+                    error = _NotFound if resp.status == 404 else RolloutError
+                    raise error(
                         f"{server.addr} rejected {method} {path}: HTTP {resp.status}",
                         hint=hint,
                         detail=body,
                     )
-                return await resp.json(content_type=None)
+                text = await resp.text()
+                if not text.strip():
+                    return None
+                try:
+                    return json.loads(text)
+                except ValueError:
+                    return text  # /flush_cache answers plain text
         except asyncio.TimeoutError as e:
             took = timeout or self.timeout
             raise _Retryable(f"timed out after {took:g}s on {path}") from e
         except aiohttp.ClientError as e:
             # Connection refused, reset, server disconnected mid-response.
             raise _Retryable(f"{type(e).__name__}: {e}") from e
+
+    async def _get_first(self, server: _Server, paths: Sequence[str], timeout: float) -> Any:
+        """GET the first of `paths` the server has (404 means try the next)."""
+        for path in paths[:-1]:
+            try:
+                return await self._request(server, "GET", path, timeout=timeout)
+            except _NotFound:
+                continue
+        return await self._request(server, "GET", paths[-1], timeout=timeout)
 
     # ------------------------------------------------------------------ generation
 
@@ -331,9 +376,12 @@ class RolloutClient:
         top_k: int = -1,
         stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False,
+        seed: int | None = None,
     ) -> Completion:
         """Sample one continuation of `input_ids`, failing over between servers."""
-        sampling = _sampling(max_new_tokens, temperature, top_p, top_k, stop_token_ids, ignore_eos)
+        sampling = _sampling(
+            max_new_tokens, temperature, top_p, top_k, stop_token_ids, ignore_eos, seed
+        )
         return await self._generate(input_ids, sampling)
 
     async def _generate(self, input_ids: Sequence[int], sampling: dict) -> Completion:
@@ -396,6 +444,13 @@ class RolloutClient:
         if isinstance(data, list):  # batched form of the same endpoint
             data = data[0]
         meta = data.get("meta_info") or {}
+        reason = meta.get("finish_reason")
+        if isinstance(reason, dict):
+            reason = reason.get("type")
+        if reason == "abort":
+            # A pause in abort mode, an /abort_request or a shutdown: the partial output
+            # is not a sample of any one policy. Try again (it waits out a pause).
+            raise _Retryable(f"{server.addr} aborted the request", cooldown=False)
         token_logprobs = meta.get("output_token_logprobs") or []
         output_ids = data.get("output_ids")
         if output_ids is None:
@@ -406,10 +461,10 @@ class RolloutClient:
         # Some versions return prompt+output in output_ids; the logprobs are output only.
         if len(output_ids) > len(logprobs) and token_logprobs:
             output_ids = output_ids[-len(logprobs) :]
-        reason = meta.get("finish_reason")
-        if isinstance(reason, dict):
-            reason = reason.get("type")
         version = meta.get("weight_version", server.weight_version)
+        if version is not None:
+            server.weight_version = str(version)
+        spans = meta.get("weight_versions")
         return Completion(
             output_ids=output_ids,
             logprobs=logprobs,
@@ -417,6 +472,7 @@ class RolloutClient:
             weight_version=None if version is None else str(version),
             server=server.addr,
             text=data.get("text"),
+            weight_versions=_spans(spans),
         )
 
     async def _vllm_model(self, server: _Server) -> str:
@@ -440,13 +496,19 @@ class RolloutClient:
             "logprobs": 1,
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,
+            # vllm/entrypoints/openai/completion/protocol.py:182-190
+            "return_weight_versions": True,
         }
         if sampling.get("ignore_eos"):
             payload["ignore_eos"] = True
+        if "sampling_seed" in sampling:
+            payload["seed"] = sampling["sampling_seed"]
         return payload
 
     def _vllm_completion(self, server: _Server, data: Any) -> Completion:
         choice = data["choices"][0]
+        if choice.get("finish_reason") == "abort":
+            raise _Retryable(f"{server.addr} aborted the request", cooldown=False)
         lp = choice.get("logprobs") or {}
         tokens = lp.get("tokens") or []
         if tokens:
@@ -454,13 +516,16 @@ class RolloutClient:
         else:
             output_ids = [int(t) for t in choice.get("token_ids") or []]
         logprobs = [float(x) if x is not None else 0.0 for x in lp.get("token_logprobs") or []]
+        spans = _spans(choice.get("weight_versions"))
+        version = spans[-1][0] if spans else server.weight_version
         return Completion(
             output_ids=output_ids,
             logprobs=logprobs,
             finish_reason=str(choice.get("finish_reason") or "unknown"),
-            weight_version=server.weight_version,
+            weight_version=version,
             server=server.addr,
             text=choice.get("text"),
+            weight_versions=spans,
         )
 
     async def generate_batch(
@@ -491,11 +556,37 @@ class RolloutClient:
 
     # ------------------------------------------------------------------ control plane
 
+    def _reachable(self) -> list[_Server]:
+        now = time.monotonic()
+        return [s for s in self._servers if s.down_until <= now]
+
+    def server(self, addr: str) -> _Server:
+        return next(s for s in self._servers if s.addr == addr)
+
+    async def on_servers(self, addrs: Sequence[str], what: str, call: Any) -> dict[str, Any]:
+        """`await call(server)` on every server in `addrs` at once; raises `SyncError` naming
+        every server that failed (each also stops sampling until a later update succeeds)."""
+        self._ensure_session()
+        targets = [self.server(a) for a in addrs]
+        results = await asyncio.gather(*(call(s) for s in targets), return_exceptions=True)
+        failed = {}
+        for server, result in zip(targets, results, strict=True):
+            if isinstance(result, BaseException):
+                if isinstance(result, asyncio.CancelledError):
+                    raise result
+                if isinstance(result, _Retryable) and result.cooldown:
+                    self._mark_down(server, str(result))
+                else:
+                    server.last_error = str(result)
+                failed[server.addr] = result
+        if failed:
+            raise SyncError(what, failed)
+        return {s.addr: r for s, r in zip(targets, results, strict=True)}
+
     async def _on_every_server(self, what: str, call) -> dict[str, Any]:
         """Run `call(server)` on every server that is not cooling down; failures are recorded."""
         self._ensure_session()
-        now = time.monotonic()
-        targets = [s for s in self._servers if s.down_until <= now]
+        targets = self._reachable()
         if not targets:
             raise self._no_server_error(what)
         results = await asyncio.gather(*(call(s) for s in targets), return_exceptions=True)
@@ -508,39 +599,50 @@ class RolloutClient:
             out[server.addr] = result
         return out
 
-    async def _post_control(self, server: _Server, paths: Sequence[str], payload: dict) -> Any:
-        """POST to the first endpoint of `paths` the server knows (404 means try the next)."""
-        last: Exception | None = None
-        for path in paths:
-            try:
-                return await self._request(server, "POST", path, payload, self.control_timeout)
-            except RolloutError as e:
-                if "HTTP 404" not in e.message:
-                    raise
-                last = e
-        assert last is not None
-        raise last
+    async def _control(self, server: _Server, path: str, payload: dict | None = None,
+                       params: dict[str, str] | None = None, timeout: float | None = None) -> Any:  # fmt: skip
+        data = await self._request(
+            server, "POST", path, payload if payload is not None else {},
+            timeout or self.control_timeout, params=params,
+        )  # fmt: skip
+        if isinstance(data, dict) and data.get("success") is False:
+            raise RolloutError(
+                f"{server.addr} failed {path}", detail=str(data.get("message") or data)
+            )
+        return data
 
-    async def pause(self) -> None:
-        """Stop every server from scheduling new generation (weights are about to change)."""
-        paths = (
-            ("/pause", "/areal_pause_generation")
-            if self.backend == "vllm"
-            else ("/pause_generation",)
-        )
-        results = await self._on_every_server("pause", lambda s: self._post_control(s, paths, {}))
-        self._raise_if_all_failed("pause", results)
+    def pause_mode(self, mode: str | None) -> str:
+        family = "vllm" if self.backend == "vllm" else "sglang"
+        modes = PAUSE_MODES[family]
+        if mode is None:
+            return modes[0]
+        if mode not in modes:
+            raise UsageError(f"pause mode {mode!r} is not one of {family}'s: {', '.join(modes)}")
+        return mode
 
-    async def resume(self) -> None:
-        paths = (
-            ("/resume", "/areal_continue_generation")
-            if self.backend == "vllm"
-            else ("/continue_generation",)
-        )
-        results = await self._on_every_server("resume", lambda s: self._post_control(s, paths, {}))
-        self._raise_if_all_failed("resume", results)
+    async def pause(self, mode: str | None = None, servers: Sequence[str] | None = None) -> None:
+        """Stop the servers from generating (weights are about to change).
 
-    def _raise_if_all_failed(self, what: str, results: dict[str, Any]) -> None:
+        SGLang/hf modes: `retract` (default: running requests go back to the queue and
+        continue after resume, on the new weights), `abort` (they end now; this client
+        retries them), `in_place`. vLLM modes: `keep` (default), `abort`, `wait`.
+        """
+        mode = self.pause_mode(mode)
+        if self.backend == "vllm":  # vllm/entrypoints/rl/online/api_router.py:31-75
+            call = lambda s: self._control(s, "/pause", params={"mode": mode})  # noqa: E731
+        else:  # sglang/srt/entrypoints/http_server.py:1831-1841
+            call = lambda s: self._control(s, "/pause_generation", {"mode": mode})  # noqa: E731
+        await self._fan_out("pause", servers, call)
+
+    async def resume(self, servers: Sequence[str] | None = None) -> None:
+        path = "/resume" if self.backend == "vllm" else "/continue_generation"
+        await self._fan_out("resume", servers, lambda s: self._control(s, path))
+
+    async def _fan_out(self, what: str, servers: Sequence[str] | None, call: Any) -> None:
+        if servers is not None:
+            await self.on_servers(servers, what, call)
+            return
+        results = await self._on_every_server(what, call)
         if all(isinstance(r, BaseException) for r in results.values()):
             first = next(iter(results.values()))
             if isinstance(first, RolloutError):
@@ -551,38 +653,25 @@ class RolloutClient:
         self, server: _Server, path: str, version: str | None, abort_all_requests: bool
     ) -> str | None:
         if self.backend == "vllm":
-            try:
-                data = await self._post_control(
-                    server, ("/areal_update_weights",), {"model_path": path}
-                )
-            except RolloutError as e:
-                if "HTTP 404" not in e.message:
-                    raise
-                # Stock vLLM (VLLM_SERVER_DEV_MODE=1): point the loader at the new
-                # checkpoint, then reload in place.
-                await self._post_control(
-                    server,
-                    ("/collective_rpc",),
-                    {"method": "update_config", "args": [{"model_config": {"model": path}}]},
-                )
-                data = await self._post_control(
-                    server, ("/collective_rpc",), {"method": "reload_weights"}
-                )
-            if isinstance(data, dict) and data.get("success") is False:
-                raise RolloutError(f"{server.addr} failed to load {path}: {data.get('message')}")
-            server.weight_version = version
-            server.stale = False
-            return version
-
-        payload: dict[str, Any] = {"model_path": path, "abort_all_requests": abort_all_requests}
-        if version is not None:
-            payload["weight_version"] = version
-        data = await self._post_control(server, ("/update_weights_from_disk",), payload)
-        if isinstance(data, dict) and data.get("success") is False:
-            raise RolloutError(
-                f"{server.addr} failed to load {path}",
-                detail=str(data.get("message") or data),
+            # vLLM 0.33: reload in place from the new checkpoint, then label it
+            # (vllm/v1/worker/gpu_model_runner.py:5226, rl/online/api_router.py:217-223).
+            await self._control(
+                server,
+                "/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": path}},
             )
+            if version is not None:
+                await self._control(server, "/update_weight_version", {"new_version": version})
+        else:
+            # UpdateWeightFromDiskReqInput (sglang/srt/managers/io_struct.py:1970-1993): the
+            # version moves only when the request names one.
+            payload: dict[str, Any] = {
+                "model_path": path,
+                "abort_all_requests": abort_all_requests,
+            }
+            if version is not None:
+                payload["weight_version"] = version
+            await self._control(server, "/update_weights_from_disk", payload)
         reported = await self._fetch_version(server)
         server.weight_version = reported if reported is not None else version
         server.stale = False
@@ -617,15 +706,21 @@ class RolloutClient:
         return next(iter(versions)) if len(versions) == 1 else None
 
     async def _fetch_version(self, server: _Server) -> str | None:
+        """The version a server reports: SGLang `GET /model_info` (the removed
+        `/get_weight_version` only when /model_info is missing); vLLM `GET /weight_info`."""
         if self.backend == "vllm":
-            return server.weight_version
-        data = await self._request(server, "GET", "/get_weight_version", timeout=30)
+            try:
+                data = await self._request(server, "GET", "/weight_info", timeout=30)
+            except _NotFound:
+                return server.weight_version
+        else:
+            data = await self._get_first(server, ("/model_info", "/get_weight_version"), 30)
         if isinstance(data, dict):
             return _version_str(data.get("weight_version", data.get("version")))
         return _version_str(data)
 
     async def model_info(self) -> dict[str, Any]:
-        """What the first reachable server serves: {"model_path", ...} (SGLang's get_model_info).
+        """What the first reachable server serves: {"model_path", ...} (SGLang's /model_info).
 
         Trainers on the servers' filesystem use `model_path` to start from the same weights.
         """
@@ -636,18 +731,58 @@ class RolloutClient:
                     data = await self._request(server, "GET", "/v1/models", timeout=30)
                     first = (data.get("data") or [{}])[0]
                     return {"model_path": first.get("root") or first.get("id"), **first}
-                return await self._request(server, "GET", "/get_model_info", timeout=30)
+                return await self._get_first(server, ("/model_info", "/get_model_info"), 30)
             except _Retryable as e:
                 self._mark_down(server, str(e))
                 last = e
-        raise self._no_server_error("get_model_info") from last
+        raise self._no_server_error("model_info") from last
+
+    async def server_info(self, addr: str) -> dict[str, Any]:
+        """SGLang's /server_info of one server: its launch arguments (tp_size, pp_size, dtype,
+        device ...). vLLM: {"world_size"} from /get_world_size (rl/online/api_router.py:269)."""
+        server = self.server(addr)
+        if self.backend == "vllm":
+            data = await self._request(
+                server, "GET", "/get_world_size", params={"include_dp": "true"}, timeout=30
+            )
+            return {"world_size": int(data["world_size"])}
+        return await self._get_first(server, ("/server_info", "/get_server_info"), 30)
 
     async def weight_versions(self) -> dict[str, str | None]:
-        """The weight version each reachable server reports (vLLM: the last one loaded)."""
-        results = await self._on_every_server("get_weight_version", self._fetch_version)
+        """The weight version each reachable server reports."""
+        results = await self._on_every_server("weight_version", self._fetch_version)
         out: dict[str, str | None] = {}
         for addr, r in results.items():
             if not isinstance(r, BaseException):
                 out[addr] = r
-                next(s for s in self._servers if s.addr == addr).weight_version = r
+                self.server(addr).weight_version = r
         return out
+
+    def mark_updated(self, addrs: Sequence[str], version: str | None) -> None:
+        """After a weight sync: these servers hold the new weights, every other one is stale."""
+        fresh = set(addrs)
+        for s in self._servers:
+            if s.addr in fresh:
+                s.stale = False
+                s.weight_version = version if version is not None else s.weight_version
+            else:
+                s.stale = True
+
+
+class SyncError(RolloutError):
+    """A control call failed on some servers; `failed` maps each address to its error."""
+
+    def __init__(self, what: str, failed: dict[str, BaseException]):
+        names = ", ".join(failed)
+        detail = "\n".join(f"  {a}: {getattr(e, 'message', None) or e}" for a, e in failed.items())
+        super().__init__(f"{what} failed on {names}", detail=detail)
+        self.failed = failed
+
+
+def _spans(raw: Any) -> list[tuple[str, int, int]] | None:
+    if not raw:
+        return None
+    try:
+        return [(str(s["version"]), int(s["start"]), int(s["end"])) for s in raw]
+    except (KeyError, TypeError, ValueError):
+        return None

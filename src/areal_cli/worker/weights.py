@@ -1,18 +1,35 @@
-"""Weight sync through the filesystem: gather the sharded model, write an HF checkpoint, reload.
+"""Weight sync: gather the sharded model on rank 0, then get it to every inference server.
 
-Every rank calls both functions (the gather is a collective); rank 0 writes the files and
-talks to the servers; a barrier at the end means no rank starts sampling before the
-servers hold the new weights.
+Two methods, as AReaL and slime have them:
+
+    distributed  rank 0 joins a process group with every server's TP ranks (rank_offset =
+                 1 + sum of tp*pp of the servers before) and broadcasts the full state dict
+                 in buckets, while the HTTP requests that make the servers receive them run
+                 in the background; SGLang's /init_weights_update_group and
+                 /update_weights_from_distributed (load_format flattened_bucket) inside
+                 /begin_weight_update ... /end_weight_update, or vLLM's native weight
+                 transfer. The group is made once per client and reused; when a server
+                 fails or the set of servers changes, the next sync builds a new one.
+    disk         rank 0 writes an HF checkpoint; every server loads it from disk.
+
+Every rank calls `sync_weights` (the gather is a collective); rank 0 talks to the servers,
+around a pause of generation; a broadcast of the outcome at the end means no rank starts
+sampling before the servers hold the new weights, and every rank raises if they do not.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import os
 import shutil
+import socket
+import threading
 import time
 import uuid
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -174,35 +191,73 @@ def _replace_dir(staging: Path, target: Path) -> None:
         os.replace(staging, target)
 
 
+METHODS = ("distributed", "disk")
+DEFAULT_BUCKET_BYTES = 256 << 20
+_SERVING_DTYPES = ("float32", "bfloat16", "float16")
+
+
 def sync_weights(
     model: torch.nn.Module,
     client: RolloutClient,
-    path: str | Path,
+    path: str | Path | None = None,
     *,
+    method: str | None = None,
     version: str | int | None = None,
     tokenizer_from: str | Path | None = None,
     dtype: torch.dtype | None = None,
+    pause_mode: str | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    timeout: float = 600.0,
 ) -> dict[str, Any]:
-    """Save `model` to `path` and make every inference server load it.
+    """Get `model`'s weights (sharded with FSDP2 or not) to every inference server.
 
-    Collective. Rank 0 pauses the servers, has each load the checkpoint from disk, and
-    resumes them; every rank returns {"version", "save_s", "load_s"} once the servers
-    report the new version. `client` is only used on rank 0 (other ranks may pass theirs,
-    it stays untouched).
+    Collective: every rank calls it. `method` is "distributed" (a broadcast over a process
+    group) or "disk" (an HF checkpoint at `path`); without one, a `path` means disk.
+    Generation pauses around the update (`pause_mode`: SGLang's retract by default, vLLM's
+    keep). `version` labels the new weights on the servers; `dtype` casts floating tensors
+    (by default the dtype the servers report, else the model's). `timeout` bounds the
+    rendezvous and each broadcast: a server that dies mid-sync makes this raise within it,
+    naming the server, instead of hanging.
+
+    Returns {"version", "method", "bytes", "gather_s", "transfer_s", ...} on every rank.
+    `client` is only used on rank 0 (other ranks may pass theirs, it stays untouched).
     """
     import torch.distributed as dist
 
+    method = method or ("disk" if path is not None else "distributed")
+    if method not in METHODS:
+        raise UsageError(f"unknown weight sync method {method!r}", hint="use distributed or disk")
+    if method == "disk" and path is None:
+        raise UsageError("sync_weights(method='disk') needs a path for the checkpoint")
+    v = None if version is None else str(version)
+
     t0 = time.perf_counter()
-    target = save_hf_checkpoint(model, path, tokenizer_from=tokenizer_from, dtype=dtype)
-    t1 = time.perf_counter()
     result: list[Any] = [None]
     error: Exception | None = None
-    if _rank() == 0:
-        try:
-            result[0] = {"ok": True, "version": client.run(_reload(client, target, version))}
-        except Exception as e:  # every rank must learn of it, or the others hang in broadcast
-            error = e
-            result[0] = {"ok": False, "message": getattr(e, "message", None) or str(e)}
+    if method == "disk":
+        target = save_hf_checkpoint(model, path, tokenizer_from=tokenizer_from, dtype=dtype)
+        t1 = time.perf_counter()
+        if _rank() == 0:
+            try:
+                got = client.run(_reload(client, target, v, pause_mode))
+                result[0] = {"ok": True, "version": got, "bytes": _dir_bytes(target)}
+            except Exception as e:  # every rank must learn of it, or the others hang
+                error = e
+                result[0] = {"ok": False, "message": getattr(e, "message", None) or str(e)}
+        stats = {"save_s": t1 - t0}
+    else:
+        state = full_state_dict(model)
+        t1 = time.perf_counter()
+        if _rank() == 0:
+            try:
+                if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+                    state.pop("lm_head.weight", None)  # the servers tie it themselves
+                sent = client.run(_send(client, state, v, dtype, pause_mode, bucket_bytes, timeout))
+                result[0] = {"ok": True, **sent}
+            except Exception as e:
+                error = e
+                result[0] = {"ok": False, "message": getattr(e, "message", None) or str(e)}
+        stats = {"gather_s": t1 - t0}
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(result, src=0)
     outcome = result[0]
@@ -212,12 +267,447 @@ def sync_weights(
         from areal_cli.worker.rollout import RolloutError
 
         raise RolloutError(f"weight sync failed on rank 0: {outcome['message']}")
-    return {"version": outcome["version"], "save_s": t1 - t0, "load_s": time.perf_counter() - t1}
+    t2 = time.perf_counter()
+    out = {
+        "version": outcome["version"],
+        "method": method,
+        "bytes": outcome.get("bytes", 0),
+        **stats,
+        "transfer_s": t2 - t1,
+    }
+    if method == "disk":
+        out["load_s"] = t2 - t1
+    return out
 
 
-async def _reload(client: RolloutClient, path: Path, version: str | int | None) -> str | None:
-    await client.pause()
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
+async def _reload(
+    client: RolloutClient, path: Path, version: str | None, pause_mode: str | None
+) -> str | None:
+    await client.pause(pause_mode)
     try:
         return await client.update_weights_from_disk(str(path), version=version)
     finally:
         await client.resume()
+
+
+# --------------------------------------------------------------------------- distributed
+
+
+@dataclass
+class _Transfer:
+    """One weight-update group: this process is rank 0, `servers` hold ranks 1..world-1."""
+
+    name: str
+    servers: list[str]
+    backend: str
+    world_size: int
+    group: Any = None  # weight_group.Group, or vLLM's communicator
+    vllm: bool = False
+    dtype: str | None = None  # what the servers hold their weights in, when they say
+    sent_meta: Any = None  # vLLM: the metadata its servers already hold
+
+    def close(self) -> None:
+        group, self.group = self.group, None
+        if group is None:
+            return
+        try:
+            group.close() if hasattr(group, "close") else group.destroy()
+        except Exception:  # a broken group is being dropped anyway
+            pass
+
+
+# One group per client, made by the first distributed sync and reused by the next ones.
+_TRANSFERS: weakref.WeakKeyDictionary[Any, _Transfer] = weakref.WeakKeyDictionary()
+
+
+def _in_thread(fn: Any, *args: Any) -> asyncio.Future:
+    """Run blocking `fn` in a daemon thread: a broadcast stuck on a dead peer must not hold
+    up the interpreter's exit, as asyncio's executor threads would."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def target() -> None:
+        try:
+            value, ok = fn(*args), True
+        except BaseException as e:  # handed to the awaiting coroutine
+            value, ok = e, False
+        try:
+            loop.call_soon_threadsafe(_settle, fut, ok, value)
+        except RuntimeError:  # the loop is gone: nobody waits any more
+            pass
+
+    threading.Thread(target=target, daemon=True, name="weight-broadcast").start()
+    return fut
+
+
+def _settle(fut: asyncio.Future, ok: bool, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value) if ok else fut.set_exception(value)
+
+
+async def _together(http: Any, transfer_fn: Any, *args: Any) -> Any:
+    """The servers' HTTP requests and rank 0's side of the same collective, at once; the
+    first failure of either is raised without waiting for the other (which may hang)."""
+    tasks = [asyncio.ensure_future(http), _in_thread(transfer_fn, *args)]
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    for task in done:
+        if task.exception() is not None:
+            for other in pending:
+                if isinstance(other, asyncio.Task):
+                    other.cancel()
+            # An HTTP failure names the server; prefer it over the broadcast's own error.
+            http_task = tasks[0]
+            if http_task.done() and not http_task.cancelled() and http_task.exception():
+                raise http_task.exception()
+            raise task.exception()
+    return tasks[0].result()
+
+
+async def _send(
+    client: RolloutClient,
+    state: dict[str, Any],
+    version: str | None,
+    dtype: Any,
+    pause_mode: str | None,
+    bucket_bytes: int,
+    timeout: float,
+) -> dict[str, Any]:
+    from areal_cli.worker.rollout import SyncError
+
+    transfer = await _ensure_transfer(client, timeout)
+    tensors = _cast(state, dtype or transfer.dtype)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    servers = transfer.servers
+    await client.pause(pause_mode, servers)
+    try:
+        if transfer.vllm:
+            await _send_vllm(client, transfer, tensors, version, timeout)
+        else:
+            await _send_sglang(client, transfer, tensors, version, bucket_bytes, timeout)
+    except BaseException as e:
+        await _abandon(client, transfer)
+        try:
+            await client.resume(servers)
+        except SyncError:
+            pass
+        if isinstance(e, SyncError):
+            raise SyncError("weight sync", e.failed) from None
+        raise
+    await client.resume(servers)
+    client.mark_updated(servers, version)
+    return {"version": version, "bytes": total, "servers": list(servers)}
+
+
+async def _send_sglang(
+    client: RolloutClient,
+    transfer: _Transfer,
+    tensors: dict[str, Any],
+    version: str | None,
+    bucket_bytes: int,
+    timeout: float,
+) -> None:
+    from areal_cli.server import weight_group
+
+    servers = transfer.servers
+    http_timeout = timeout + 30
+    await client.on_servers(servers, "begin_weight_update",
+                            lambda s: client._control(s, "/begin_weight_update", {}))  # fmt: skip
+    buckets = list(_buckets(tensors, bucket_bytes))
+    for i, bucket in enumerate(buckets):
+        last = i == len(buckets) - 1
+        payload = {
+            "names": [n for n, _ in bucket],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket],
+            "group_name": transfer.name,
+            "load_format": "flattened_bucket",
+            "flush_cache": last,
+        }
+        if last and version is not None:
+            payload["weight_version"] = version
+        flat = weight_group.flatten([t for _, t in bucket])
+        if transfer.backend == "nccl":
+            flat = flat.cuda()
+        http = client.on_servers(
+            servers, "update_weights_from_distributed",
+            lambda s, p=payload: client._control(
+                s, "/update_weights_from_distributed", p, timeout=http_timeout
+            ),
+        )  # fmt: skip
+        await _together(http, transfer.group.broadcast, flat, timeout)
+    await client.on_servers(servers, "end_weight_update",
+                            lambda s: client._control(s, "/end_weight_update", {}))  # fmt: skip
+
+
+async def _send_vllm(
+    client: RolloutClient,
+    transfer: _Transfer,
+    tensors: dict[str, Any],
+    version: str | None,
+    timeout: float,
+) -> None:
+    """vLLM 0.33's native transfer (vllm/entrypoints/rl/online/api_router.py:162-214,
+    vllm/distributed/weight_transfer/nccl_engine.py:183-240, unpacked: one broadcast per
+    tensor, in the order of the metadata)."""
+    import torch
+
+    servers = transfer.servers
+    meta = {
+        "names": list(tensors),
+        "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
+        "shapes": [list(t.shape) for t in tensors.values()],
+    }
+    # Unchanged metadata is sent once: empty lists reuse the last (nccl_engine.py:93-96).
+    update_info = (
+        meta if meta != transfer.sent_meta else {"names": [], "dtype_names": [], "shapes": []}
+    )
+    await client.on_servers(servers, "start_weight_update",
+                            lambda s: client._control(s, "/start_weight_update"))  # fmt: skip
+
+    def broadcast_all() -> None:
+        stream = torch.cuda.current_stream()
+        for t in tensors.values():
+            transfer.group.broadcast(t.cuda(non_blocking=True), src=0, stream=stream)
+        stream.synchronize()
+
+    http = client.on_servers(
+        servers, "update_weights",
+        lambda s: client._control(s, "/update_weights", {"update_info": update_info},
+                                  timeout=timeout + 30),
+    )  # fmt: skip
+    await _together(http, broadcast_all)
+    transfer.sent_meta = meta
+    body = {} if version is None else {"weight_version": version}
+    await client.on_servers(servers, "finish_weight_update",
+                            lambda s: client._control(s, "/finish_weight_update", body))  # fmt: skip
+
+
+async def _abandon(client: RolloutClient, transfer: _Transfer) -> None:
+    """After a failed sync: drop the group on both ends and close the servers' sessions, so
+    the survivors keep their old weights and the next sync starts a new group. Best effort
+    and quick: a server that does not answer within seconds is one the next sync skips."""
+    transfer.close()
+    if _TRANSFERS.get(client) is transfer:
+        del _TRANSFERS[client]
+
+    async def one(s: Any) -> None:
+        if transfer.vllm:
+            await client._request(s, "POST", "/shutdown_weight_transfer_engine", {}, 10)
+            return
+        await client._request(s, "POST", "/destroy_weights_update_group",
+                              {"group_name": transfer.name}, 10)  # fmt: skip
+        await client._request(s, "POST", "/end_weight_update", {}, 10)
+
+    async def quietly(s: Any) -> None:
+        try:
+            await one(s)
+        except Exception:  # already down, or the session is already closed
+            pass
+
+    await asyncio.gather(*(quietly(client.server(a)) for a in transfer.servers))
+
+
+def _cast(state: dict[str, Any], dtype: Any) -> dict[str, Any]:
+    import torch
+
+    if dtype is None:
+        return state
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+
+
+def _buckets(tensors: dict[str, Any], limit: int):
+    """Consecutive (name, tensor) groups of at most `limit` bytes each (one bigger tensor
+    makes a bucket of its own)."""
+    bucket: list[tuple[str, Any]] = []
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+async def _ensure_transfer(client: RolloutClient, timeout: float) -> _Transfer:
+    """The client's group, made now if there is none or the reachable servers changed."""
+    from areal_cli.worker.rollout import RolloutError
+
+    candidates = [s.addr for s in client._reachable()]
+    if not candidates:
+        raise client._no_server_error("weight sync")
+    infos: dict[str, dict] = {}
+
+    async def info(s: Any) -> None:
+        infos[s.addr] = await client.server_info(s.addr)
+
+    results = await asyncio.gather(
+        *(info(client.server(a)) for a in candidates), return_exceptions=True
+    )
+    for addr, r in zip(candidates, results, strict=True):
+        if isinstance(r, BaseException):
+            client._mark_down(client.server(addr), str(r))
+    servers = [a for a in candidates if a in infos]
+    if not servers:
+        raise client._no_server_error("weight sync")
+
+    old = _TRANSFERS.get(client)
+    if old is not None and old.servers == servers and old.group is not None:
+        return old
+    if old is not None:
+        await _abandon(client, old)
+
+    vllm = client.backend == "vllm"
+    sizes = [_ranks(infos[a], vllm) for a in servers]
+    world = 1 + sum(sizes)
+    offsets = [1 + sum(sizes[:i]) for i in range(len(servers))]
+    backend = _backend(infos, servers, vllm)
+    name = f"areal-weights-{uuid.uuid4().hex[:12]}"
+    master = _local_address(servers[0])
+    transfer = _Transfer(
+        name=name,
+        servers=servers,
+        backend=backend,
+        world_size=world,
+        vllm=vllm,
+        dtype=_serving_dtype(infos, servers),
+    )
+    if vllm:
+        await _init_vllm(client, transfer, master, offsets, timeout)
+    else:
+        await _init_sglang(client, transfer, master, offsets, timeout)
+    if transfer.group is None:
+        raise RolloutError("weight-update group could not be built")
+    _TRANSFERS[client] = transfer
+    return transfer
+
+
+async def _init_sglang(
+    client: RolloutClient, transfer: _Transfer, master: str, offsets: list[int], timeout: float
+) -> None:
+    from areal_cli.server import weight_group
+
+    store = weight_group.listen(master, transfer.world_size, timeout)
+    port = store.port
+
+    def body(addr: str) -> dict:
+        # InitWeightsUpdateGroupReqInput (sglang/srt/managers/io_struct.py:2126-2138)
+        return {
+            "master_address": master,
+            "master_port": port,
+            "rank_offset": offsets[transfer.servers.index(addr)],
+            "world_size": transfer.world_size,
+            "group_name": transfer.name,
+            "backend": transfer.backend,
+        }
+
+    http = client.on_servers(
+        transfer.servers, "init_weights_update_group",
+        lambda s: client._control(s, "/init_weights_update_group", body(s.addr),
+                                  timeout=timeout + 30),
+    )  # fmt: skip
+
+    def join() -> Any:
+        transfer.group = weight_group.join(
+            master_address=master, master_port=port, rank=0, world_size=transfer.world_size,
+            group_name=transfer.name, backend=transfer.backend, timeout_s=timeout, store=store,
+        )  # fmt: skip
+
+    try:
+        await _together(http, join)
+    except BaseException:
+        await _abandon(client, transfer)
+        raise
+
+
+async def _init_vllm(
+    client: RolloutClient, transfer: _Transfer, master: str, offsets: list[int], timeout: float
+) -> None:
+    try:
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+    except ImportError:
+        raise UsageError(
+            "vLLM's native weight transfer needs the vllm package and a GPU in the trainer",
+            hint="install vllm next to the trainer, or sync with method='disk'",
+        ) from None
+    port = _free_port(master)
+
+    def body(addr: str) -> dict:
+        # NCCLWeightTransferInitInfo (vllm/distributed/weight_transfer/nccl_common.py:75-107)
+        return {"init_info": {
+            "master_address": master, "master_port": port, "world_size": transfer.world_size,
+            "rank_offset": offsets[transfer.servers.index(addr)], "packed": False,
+        }}  # fmt: skip
+
+    http = client.on_servers(
+        transfer.servers, "init_weight_transfer_engine",
+        lambda s: client._control(s, "/init_weight_transfer_engine", body(s.addr),
+                                  timeout=timeout + 30),
+    )  # fmt: skip
+
+    def join() -> None:
+        transfer.group = trainer_init(
+            {"master_address": master, "master_port": port, "world_size": transfer.world_size}
+        )
+
+    try:
+        await _together(http, join)
+    except BaseException:
+        await _abandon(client, transfer)
+        raise
+
+
+def _ranks(info: dict, vllm: bool) -> int:
+    if vllm:
+        return int(info["world_size"])
+    if int(info.get("dp_size") or 1) != 1:
+        # SGLang asserts it (srt/managers/tokenizer_control_mixin.py:451-453).
+        raise UsageError("a distributed weight update needs servers with dp_size 1")
+    return int(info.get("tp_size") or 1) * int(info.get("pp_size") or 1)
+
+
+def _backend(infos: dict[str, dict], servers: list[str], vllm: bool) -> str:
+    """nccl when this trainer and every server are on GPUs, gloo otherwise (SGLang passes
+    the string to torch unchecked; AReaL's CPU platform sends gloo)."""
+    import torch
+
+    if vllm:
+        return "nccl"
+    on_gpu = all(str(infos[a].get("device", "cuda")).startswith("cuda") for a in servers)
+    return "nccl" if on_gpu and torch.cuda.is_available() else "gloo"
+
+
+def _serving_dtype(infos: dict[str, dict], servers: list[str]) -> str | None:
+    """The dtype every server holds its weights in, when they say so ("auto" says nothing)."""
+    found = {str(infos[a].get("dtype")) for a in servers}
+    found &= set(_SERVING_DTYPES)
+    if len(found) > 1:
+        raise UsageError(f"the servers hold different dtypes ({sorted(found)}); pass dtype=")
+    return next(iter(found), None)
+
+
+def _local_address(server_addr: str) -> str:
+    """The address of this host that `server_addr` reaches us on (where rank 0 listens)."""
+    host = server_addr.rpartition(":")[0].strip("[]")
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))  # no packet is sent: this only picks the route
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
