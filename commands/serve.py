@@ -27,7 +27,7 @@ CONFIG_KEYS = {
     "backend": "str", "model": "str", "alloc": "str", "dp": "posint", "tp": "posint",
     "experiment": "str", "trial": "str", "host": "str", "port_base": "port", "gpus": "str",
     "health_timeout": "float", "python": "str", "api_key": "str", "seed": "int",
-    "extra_args": "list",
+    "extra_args": "list", "allow_unauthenticated_control": "bool",
 }  # fmt: skip
 
 HELP = """Start SGLang, vLLM or hf inference servers, wait until healthy, register them.
@@ -105,6 +105,13 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(
             None, "--seed", help="Random seed given to each server (default 1)."
         ),
+        allow_unauthenticated_control: bool = typer.Option(
+            None,
+            "--allow-unauthenticated-control",
+            help="Bind vLLM beyond loopback although nothing guards the control routes a "
+            "trainer uses (pause, weight updates; vLLM's --api-key covers only /v1).",
+            show_default=False,
+        ),
         json_out: bool = JsonOpt,
     ) -> None:
         from areal_cli import models, planner
@@ -153,6 +160,9 @@ def register(app: typer.Typer) -> None:
             python=pick(python, cfg, "python", None) or python_default(),
             extra_args=tuple(extra),
             seed=int(pick(seed, cfg, "seed", 1)),
+            allow_unauthenticated_control=bool(
+                pick(allow_unauthenticated_control, cfg, "allow_unauthenticated_control", False)
+            ),
         )
         experiment, trial = job_names(experiment, trial, cfg)
         spec = JobSpec(

@@ -103,6 +103,7 @@ def plan(spec: JobSpec, home: Path, registry_url: str, check_packages: bool = Tr
 
 def _plan_servers(p, role: ServerRole, inventory, free, held, log_dir, check_packages, busy_ports):
     backend = backends.get(role.backend)
+    backend.check_bind(role)
     on_gpu = bool(inventory.gpus)
     need = role.replicas * role.gpus_per_replica
     if backend.needs_gpu and not on_gpu:
@@ -130,6 +131,7 @@ def _plan_servers(p, role: ServerRole, inventory, free, held, log_dir, check_pac
         env = {
             "CUDA_VISIBLE_DEVICES": inventory.visible(slice_) if on_gpu else "",
             "PYTHONUNBUFFERED": "1",
+            **backend.env(role),
         }
         p.processes.append(
             ProcessPlan(

@@ -25,6 +25,8 @@ class ServerRole:
     seed: int = 1
     name: str | None = None
     revision: str | None = None  # of a hub id
+    # Bind a server whose control routes nothing guards (vLLM's) beyond loopback anyway.
+    allow_unauthenticated_control: bool = False
 
     @property
     def gpus_per_replica(self) -> int:

@@ -1,7 +1,9 @@
 """Inference backends: how to launch one replica and how to tell it is ready.
 
-Each backend turns (role, port, host) into the argv of one server replica. GPUs are handed
-over by CUDA_VISIBLE_DEVICES slices, so every replica counts its GPUs from 0.
+Each backend turns (role, port, host) into the argv and environment of one server replica.
+GPUs are handed over by CUDA_VISIBLE_DEVICES slices, so every replica counts its GPUs from 0.
+Flags are those of sglang 0.5.23 (srt/arg_groups/fields/*.py, one flag per field name) and
+vllm 0.33 (engine/arg_utils.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ class Backend:
     def argv(self, role: ServerRole, port: int, api_key: str | None, on_gpu: bool) -> list[str]:
         raise NotImplementedError
 
+    def env(self, role: ServerRole) -> dict[str, str]:
+        """Environment the replica needs on top of the caller's."""
+        return {}
+
+    def check_bind(self, role: ServerRole) -> None:
+        """Refuse a bind address that would expose what nothing guards."""
+
 
 class SGLang(Backend):
     def argv(self, role, port, api_key, on_gpu):
@@ -44,9 +53,31 @@ class SGLang(Backend):
 
 
 class VLLM(Backend):
+    """vLLM 0.33, set up to be trained: the servers `areal serve` starts are the ones a
+    trainer pauses and updates.
+
+    - Its pause, resume, collective_rpc, weight-version and weight-transfer routes exist only
+      with VLLM_SERVER_DEV_MODE=1 (entrypoints/launchers/api_server/routers.py:46-53), and
+      its --api-key guards only /v1, /v2, /inference and /cohere
+      (entrypoints/serve/middleware/authenticate.py:11): so such a server is bound beyond
+      loopback only when the user says `--allow-unauthenticated-control`.
+    - `--logprobs-mode processed_logprobs`: the default (raw_logprobs, config/model.py:291)
+      reports logprobs before temperature, not those of the distribution it sampled from.
+    - `--generation-config vllm`: the default ("auto", config/model.py:358-364) lets the
+      model's generation_config.json change sampling defaults behind the trainer's back.
+    - `--weight-transfer-config {"backend": "nccl"}`: without it /init_weight_transfer_engine
+      fails (v1/worker/gpu_worker.py:1512-1517).
+    """
+
+    ARGS = (
+        ("--logprobs-mode", "processed_logprobs"),
+        ("--generation-config", "vllm"),
+        ("--weight-transfer-config", '{"backend": "nccl"}'),
+    )
+
     def argv(self, role, port, api_key, on_gpu):
-        # Documented CLI: vllm serve MODEL --host --port --tensor-parallel-size
-        # --pipeline-parallel-size --gpu-memory-utilization --seed --api-key
+        # vllm serve MODEL --host --port --tensor-parallel-size --pipeline-parallel-size
+        # --seed --gpu-memory-utilization --api-key (engine/arg_utils.py:978-1389)
         vllm = str(Path(role.python).parent / "vllm")
         cmd = [vllm, "serve", role.model_path, "--host", role.host, "--port", str(port)]
         cmd += _revision(role)
@@ -56,9 +87,26 @@ class VLLM(Backend):
         cmd += ["--seed", str(role.seed)]
         if not _has_flag(role.extra_args, "--gpu-memory-utilization"):
             cmd += ["--gpu-memory-utilization", "0.8"]
+        for flag, value in self.ARGS:
+            if not _has_flag(role.extra_args, flag):
+                cmd += [flag, value]
         if api_key:
             cmd += ["--api-key", api_key]
         return cmd + list(role.extra_args)
+
+    def env(self, role):
+        return {"VLLM_SERVER_DEV_MODE": "1"}
+
+    def check_bind(self, role):
+        if getattr(role, "allow_unauthenticated_control", False) or _is_loopback(role.host):
+            return
+        raise UsageError(
+            f"a vLLM server on {role.host} would let anyone who reaches it pause it and load "
+            "other weights: the trainer needs its control routes (VLLM_SERVER_DEV_MODE=1), "
+            "and vLLM's --api-key does not cover them (only /v1, /v2, /inference, /cohere)",
+            hint="bind to 127.0.0.1, or pass --allow-unauthenticated-control on a network "
+            "you trust",
+        )
 
 
 class HF(Backend):
@@ -123,6 +171,17 @@ def check_installed(backend: Backend, python: str) -> None:
 
 def _has_flag(args: tuple[str, ...], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _revision(role: ServerRole) -> list[str]:
