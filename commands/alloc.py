@@ -8,12 +8,10 @@ HELP = """Explain an allocation string: its components, parallel dims and GPU co
 
 [bold]Grammar[/]: AReaL's. backend\\[name]:dims, joined by [bold]+[/] (separate GPUs) or [bold]|[/] (shared GPUs, names required). Inference backends sglang, vllm, hf take d (replicas), t, p; fsdp takes d, t, c (p and e only as 1); megatron and archon take d, t, p, c, e. World size = d·t·p·c.
 
-[bold]Examples[/]
-
+\b
+Examples:
   areal alloc sglang:d4t2+fsdp:d8
-
   areal alloc 'sglang\\[rollout]:d2+fsdp\\[actor]:d4|fsdp\\[critic]:d4'
-
   areal alloc 'megatron:(attn:d1p2t2c2|ffn:p2e4)' --json
 
 A bad string is shown with a caret under the problem and a hint (exit 2).

@@ -12,16 +12,17 @@ import typer
 from areal_cli.console import err, out, print_json
 
 app = typer.Typer(
-    help=(
-        "Diagnose distributed training: hangs, debug env presets, all_reduce, host health, mesh.\n\n"
-        "  areal doctor hang --job myexp/trial0        every rank's stack, grouped, odd rank named\n\n"
-        "  areal doctor env --preset nccl -- areal train ...\n\n"
-        "  areal doctor allreduce --nproc 8            all_reduce busbw table, hang-checked\n\n"
-        "  areal doctor check                          is this host ready?\n\n"
-        "  areal doctor mesh --alloc fsdp:d2t2         which rank sits where"
-    ),
+    help="""Diagnose distributed training: hangs, debug env presets, all_reduce, host health, mesh.
+
+\b
+Examples:
+  areal doctor hang --job myexp/trial0   # every rank's stack, odd rank named
+  areal doctor env --preset nccl -- areal train ...
+  areal doctor allreduce --nproc 8       # busbw per size, hang-checked
+  areal doctor check                     # is this host ready?
+  areal doctor mesh --alloc fsdp:d2t2    # which rank sits where
+""",
     no_args_is_help=True,
-    rich_markup_mode="rich",
 )
 
 STATE_STYLE = {
@@ -68,11 +69,12 @@ def hang_cmd(
 
     Without --pid or --job: every torchrun/areal job of this user on this host.
 
-    \b
     Verdicts: mismatched_collective, collective_type_mismatch, missing_rank,
     blocked_outside_collective, straggler, collective_stuck, no_hang.
-    --json: {job, ranks, groups, verdict, samples, errors}; with several
-    jobs, the first that hangs is at the top level and all are under "jobs".
+
+    --json prints {job, ranks, groups, verdict, samples, errors}; with several jobs, the
+    first that hangs is at the top level and all are under "jobs".
+
     Exit code: 0 verdict reached · 1 a dump failed · 2 bad target.
 
     \b
@@ -366,7 +368,7 @@ def allreduce_cmd(
       areal doctor allreduce --nproc 8
       areal doctor allreduce --backend gloo --nproc 2 --sizes 1K:16M
       areal doctor env --preset nccl -- areal doctor allreduce --nproc 8
-      areal doctor allreduce --print-script > allreduce_repro.py   # for a bug report
+      areal doctor allreduce --print-script > repro.py   # for a bug report
     """
     import os
 

@@ -21,14 +21,13 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Write a tiny Qwen2-style causal LM (random weights, byte-level tokenizer) to DIR.
 
-        Nothing is downloaded; transformers loads it offline and the hf server serves it on a CPU.
+        Nothing is downloaded; transformers loads it offline and the hf server serves it on
+        a CPU.
 
+        \b
         Examples:
-
           areal init-model ./tiny
-
           areal init-model ./tiny-v2 --seed 1    # same shape, other weights
-
           areal serve --backend hf --model ./tiny
         """
         from areal_cli import console

@@ -21,10 +21,9 @@ def register(app: typer.Typer) -> None:
 
 PS_HELP = """List jobs: state, processes, servers and whether each answers /health.
 
+\b
 Examples:
-
   areal ps
-
   areal ps --all --json | jq '.[].servers'
 """
 
@@ -66,14 +65,12 @@ def ps(
     console.out.print(t)
 
 
-LOGS_HELP = """Show a job's logs, merged with a [server-N] / [rank-N] prefix.
+LOGS_HELP = """Show a job's logs, merged with a \\[server-N] / \\[rank-N] prefix.
 
+\b
 Examples:
-
   areal logs default/trial0
-
   areal logs myexp/trial0 -f --role rank --index 1
-
   areal logs myexp/trial0 -n 200 --role server
 """
 
@@ -150,13 +147,15 @@ def _print_new(path: Path, label: str, offsets: dict[str, int], printer) -> bool
     return True
 
 
-STOP_HELP = """Stop a trial's jobs (serve and train, or --kind): every process they started,
-grandchildren included, and their registry entries.
+STOP_HELP = """Stop a trial's jobs, every process they started and their registry entries.
 
+Both the serve and the train job of the trial, or the one --kind names; grandchildren of
+their processes go too.
+
+\b
 Examples:
-
   areal stop default/trial0
-
+  areal stop myexp/trial0 --kind serve
   areal stop --all
 """
 

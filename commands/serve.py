@@ -33,17 +33,15 @@ CONFIG_KEYS = {
 HELP = """Start SGLang, vLLM or hf inference servers, wait until healthy, register them.
 
 Each replica gets its own GPUs (CUDA_VISIBLE_DEVICES slices) and port; logs go to the
-terminal with a [server-N] prefix and to one file per replica. Registered servers are
-what `areal train` discovers under the same --experiment/--trial.
+terminal with a \\[server-N] prefix and to one file per replica. Registered servers are
+what `areal train` discovers under the same --experiment/--trial. Arguments after --
+go to the backend server.
 
+\b
 Examples:
-
-  areal serve --backend sglang --model /models/Qwen2.5-1.5B --alloc sglang:d4t1
-
-  areal serve --backend hf --model ./tiny --detach          # CPU, returns when healthy
-
-  areal serve --model /models/m --dp 2 --tp 2 --dry-run     # print the plan only
-
+  areal serve --backend sglang --model Qwen/Qwen2.5-1.5B-Instruct --dp 4
+  areal serve --backend hf --model ./tiny --detach  # CPU; back when healthy
+  areal serve --model /models/m --dp 2 --tp 2 --dry-run  # print the plan only
   areal serve --backend vllm --model /models/m -- --max-model-len 4096
 """
 

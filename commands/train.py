@@ -34,23 +34,21 @@ CONFIG_KEYS = {
 
 HELP = """Run training workers with torchrun against inference servers.
 
-With a training-only allocation (fsdp:d2) the servers come from the registry under the
-same --experiment/--trial (started by `areal serve` or AReaL), waiting up to
---wait-servers for them. With a combined allocation (hf:d1+fsdp:d2) the servers start
+With a training-only allocation (fsdp:d2), the servers come from the registry under
+the same --experiment/--trial (started by `areal serve` or AReaL); train waits up to
+--wait-servers for them. With a combined allocation (hf:d1+fsdp:d2), the servers start
 first and everything is torn down together. Everything after SCRIPT goes to the script.
 
-Workers find: AREAL_LLM_SERVER_ADDRS, AREAL_SERVER_BACKEND, AREAL_API_KEY, AREAL_ALLOC,
-AREAL_LOG_DIR, AREAL_EXPERIMENT, AREAL_TRIAL, AREAL_REGISTRY (see areal_cli.worker).
+Workers find AREAL_LLM_SERVER_ADDRS, AREAL_SERVER_BACKEND, AREAL_API_KEY, AREAL_ALLOC,
+AREAL_LOG_DIR, AREAL_EXPERIMENT, AREAL_TRIAL and AREAL_REGISTRY in their environment
+(see areal_cli.worker).
 
+\b
 Examples:
-
-  areal train --alloc fsdp:d2 templates/grpo/train.py --config templates/grpo/tiny_cpu.yaml
-
-  areal train --alloc hf:d1+fsdp:d2 --model ./tiny templates/grpo/train.py --config tiny_cpu.yaml
-
-  areal train --alloc fsdp:d8 --servers 10.0.0.5:30000 --debug-preset nccl train.py
-
-  areal train --alloc fsdp:d4 --areal-overrides -- -m areal.examples.gsm8k_grpo --config gsm8k.yaml
+  areal train --alloc fsdp:d2 templates/grpo/train.py --config my_grpo.yaml
+  areal train --alloc hf:d1+fsdp:d2 --model ./tiny templates/grpo/train.py
+  areal train -a fsdp:d8 --servers 10.0.0.5:30000 --debug-preset nccl train.py
+  areal train -a fsdp:d4 --areal-overrides -- -m areal.examples.gsm8k_grpo
 """
 
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from areal_cli import procs, settings
+from areal_cli import settings
 from areal_cli.errors import UsageError
 
 STATES = ("starting", "running", "stopping", "stopped", "failed", "killed")
@@ -71,6 +71,8 @@ class JobRecord:
         """The supervisor still runs (same process, not a reused pid)."""
         if self.host != settings.hostname():
             return self.state in ("starting", "running", "stopping")
+        from areal_cli import procs  # psutil: only when there is a job to look at
+
         return procs.pid_alive(self.supervisor_pid, self.supervisor_create_time)
 
     def to_json(self) -> dict:

@@ -30,9 +30,11 @@ def job_statuses(home: Path, include_ended: bool = False) -> list[dict]:
         for p in rec.processes:
             if p.role == "server" and p.addr and rec.host == here:
                 probes.append(p.addr)
-    from areal_cli import discovery  # http.client and threads, only to probe servers
+    health = {}
+    if probes:
+        from areal_cli import discovery  # threads and http.client: only to probe servers
 
-    health = discovery.healthy(probes, timeout=1.0) if probes else {}
+        health = discovery.healthy(probes, timeout=1.0)
     result = []
     for rec, state in out:
         servers = [
@@ -67,7 +69,7 @@ def job_statuses(home: Path, include_ended: bool = False) -> list[dict]:
 
 def stop_job(home: Path, rec: jobs.JobRecord, timeout: float, registry: str) -> dict:
     """SIGTERM the supervisor and wait; then make sure nothing of the job is left."""
-    from areal_cli import procs
+    from areal_cli import procs  # psutil: `ps` with no jobs never needs it
 
     if rec.host != settings.hostname():
         # Its pids mean nothing here (a shared home seen from another node).
