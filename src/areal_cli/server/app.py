@@ -235,6 +235,7 @@ async def server_info(request: web.Request) -> web.Response:
             "uptime_s": round(time.time() - st.started, 3),
             "internal_states": [{"batching": st.batcher.stats()}],
             "batching": st.batcher.stats(),
+            "weight_update": st.updates.stats() if st.updates else None,
             "frontend": "hf",
         }
     )

@@ -50,6 +50,7 @@ class _Session:
     version: str | None = None
     broken: str | None = None  # why nothing will be installed
     in_flight: int = 0
+    groups: set[str] = field(default_factory=set)  # the groups it received from
 
 
 class WeightUpdates:
@@ -83,6 +84,10 @@ class WeightUpdates:
             )
         entry = _Group(group_name)
         self.groups[group_name] = entry
+        if self.session is not None and self.session.staged:
+            # A new group while a session holds a partial update: its sender is gone (a
+            # trainer restarted); what it sent so far must never be installed.
+            self.session.broken = f"a new group {group_name} was made during the session"
         rank = rank_offset  # one TP rank: tp_rank 0
         log.info(
             "init custom process group: master_address=%s, master_port=%s, rank_offset=%s, "
@@ -115,11 +120,20 @@ class WeightUpdates:
         entry = self.groups.pop(group_name, None)
         if entry is None:
             return False, "The group to be destroyed does not exist."
-        if entry.busy and self.session is not None:
-            self.session.broken = f"group {group_name} was destroyed during a receive"
+        if self.session is not None and group_name in self.session.groups:
+            self.session.broken = f"group {group_name} was destroyed during the session"
         if entry.group is not None:
             entry.group.close()
         return True, "Succeeded to destroy custom process group."
+
+    def stats(self) -> dict[str, Any]:
+        s = self.session
+        return {
+            "groups": sorted(self.groups),
+            "session_open": s is not None,
+            "staged_tensors": len(s.staged) if s else 0,
+            "receiving": bool(s and s.in_flight),
+        }
 
     def close(self) -> None:
         for entry in self.groups.values():
@@ -201,6 +215,7 @@ class WeightUpdates:
 
         entry.busy = True
         session.in_flight += 1
+        session.groups.add(group_name)
         try:
             received = await asyncio.to_thread(
                 _receive, entry.group, metas, load_format == "flattened_bucket", self.timeout_s

@@ -564,24 +564,29 @@ class RolloutClient:
         return next(s for s in self._servers if s.addr == addr)
 
     async def on_servers(self, addrs: Sequence[str], what: str, call: Any) -> dict[str, Any]:
-        """`await call(server)` on every server in `addrs` at once; raises `SyncError` naming
-        every server that failed (each also stops sampling until a later update succeeds)."""
+        """`await call(server)` on every server in `addrs` at once. The first failure raises
+        `SyncError` naming the servers that failed by then, without waiting for the others
+        (a survivor may be blocked on the failed one)."""
         self._ensure_session()
-        targets = [self.server(a) for a in addrs]
-        results = await asyncio.gather(*(call(s) for s in targets), return_exceptions=True)
+        targets = {asyncio.ensure_future(call(self.server(a))): self.server(a) for a in addrs}
+        done, pending = await asyncio.wait(targets, return_when=asyncio.FIRST_EXCEPTION)
         failed = {}
-        for server, result in zip(targets, results, strict=True):
-            if isinstance(result, BaseException):
-                if isinstance(result, asyncio.CancelledError):
-                    raise result
-                if isinstance(result, _Retryable) and result.cooldown:
-                    self._mark_down(server, str(result))
-                else:
-                    server.last_error = str(result)
-                failed[server.addr] = result
+        for task in done:
+            error = task.exception()
+            if error is None:
+                continue
+            server = targets[task]
+            if isinstance(error, _Retryable) and error.cooldown:
+                self._mark_down(server, str(error))
+            else:
+                server.last_error = str(error)
+            failed[server.addr] = error
         if failed:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
             raise SyncError(what, failed)
-        return {s.addr: r for s, r in zip(targets, results, strict=True)}
+        return {targets[t].addr: t.result() for t in targets}
 
     async def _on_every_server(self, what: str, call) -> dict[str, Any]:
         """Run `call(server)` on every server that is not cooling down; failures are recorded."""

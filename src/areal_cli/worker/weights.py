@@ -194,6 +194,8 @@ def _replace_dir(staging: Path, target: Path) -> None:
 METHODS = ("distributed", "disk")
 DEFAULT_BUCKET_BYTES = 256 << 20
 _SERVING_DTYPES = ("float32", "bfloat16", "float16")
+# After a broken collective, how long to wait for the HTTP error that names the server.
+HTTP_GRACE_S = 3.0
 
 
 def sync_weights(
@@ -352,19 +354,24 @@ def _settle(fut: asyncio.Future, ok: bool, value: Any) -> None:
 async def _together(http: Any, transfer_fn: Any, *args: Any) -> Any:
     """The servers' HTTP requests and rank 0's side of the same collective, at once; the
     first failure of either is raised without waiting for the other (which may hang)."""
-    tasks = [asyncio.ensure_future(http), _in_thread(transfer_fn, *args)]
-    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    for task in done:
-        if task.exception() is not None:
-            for other in pending:
-                if isinstance(other, asyncio.Task):
-                    other.cancel()
-            # An HTTP failure names the server; prefer it over the broadcast's own error.
-            http_task = tasks[0]
-            if http_task.done() and not http_task.cancelled() and http_task.exception():
-                raise http_task.exception()
-            raise task.exception()
-    return tasks[0].result()
+    request = asyncio.ensure_future(http)
+    collective = _in_thread(transfer_fn, *args)
+    # A collective abandoned on a failure ends later (its timeout); nobody reads it then.
+    collective.add_done_callback(lambda f: f.cancelled() or f.exception())
+    done, _ = await asyncio.wait({request, collective}, return_when=asyncio.FIRST_EXCEPTION)
+    if request in done and request.exception() is not None:
+        raise request.exception()
+    if collective in done and collective.exception() is not None:
+        # A peer that died breaks the collective at once; its HTTP request fails a moment
+        # later and names the server, which the collective's error does not.
+        try:
+            await asyncio.wait_for(asyncio.shield(request), HTTP_GRACE_S)
+        except asyncio.TimeoutError:
+            request.cancel()
+        if request.done() and not request.cancelled() and request.exception() is not None:
+            raise request.exception() from collective.exception()
+        raise collective.exception()
+    return request.result()
 
 
 async def _send(
@@ -414,8 +421,7 @@ async def _send_sglang(
 
     servers = transfer.servers
     http_timeout = timeout + 30
-    await client.on_servers(servers, "begin_weight_update",
-                            lambda s: client._control(s, "/begin_weight_update", {}))  # fmt: skip
+    await _begin(client, servers)
     buckets = list(_buckets(tensors, bucket_bytes))
     for i, bucket in enumerate(buckets):
         last = i == len(buckets) - 1
@@ -441,6 +447,25 @@ async def _send_sglang(
         await _together(http, transfer.group.broadcast, flat, timeout)
     await client.on_servers(servers, "end_weight_update",
                             lambda s: client._control(s, "/end_weight_update", {}))  # fmt: skip
+
+
+async def _begin(client: RolloutClient, servers: list[str]) -> None:
+    """/begin_weight_update everywhere. A session left open by a trainer that died mid-sync
+    is closed first (its partial update is discarded by the hf server; SGLang keeps what
+    it loaded, which this sync overwrites whole)."""
+
+    async def one(s: Any) -> None:
+        from areal_cli.worker.rollout import RolloutError
+
+        try:
+            await client._control(s, "/begin_weight_update", {})
+        except RolloutError as e:
+            if "already open" not in str(e.detail or ""):
+                raise
+            await client._control(s, "/end_weight_update", {})
+            await client._control(s, "/begin_weight_update", {})
+
+    await client.on_servers(servers, "begin_weight_update", one)
 
 
 async def _send_vllm(

@@ -1,0 +1,401 @@
+"""The hf server against SGLang 0.5.23's HTTP contract, route by route.
+
+Every golden request and reply shape here is read from the sglang 0.5.23 wheel; each test
+names the file and lines it encodes (paths relative to the `sglang/` package). The server
+is the real `python -m areal_cli.server` on loopback with a tiny model.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from areal_cli.modelgen import create_tiny_model
+from tests.integration.helpers_server import HfServer
+
+PROMPT = [72, 101, 108, 108, 111]
+GREEDY = {"max_new_tokens": 4, "temperature": 0}
+
+# api/v1/api_types.py:1256 — the accepted sampling keys, in the order of the error text.
+SAMPLING_FIELDS = (
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p",
+    "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+    "min_new_tokens", "n", "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos",
+    "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval",
+    "logit_bias", "sampling_seed", "custom_params", "beam_width", "watermark", "choice",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "base": create_tiny_model(root / "base", seed=0),
+        "other": create_tiny_model(root / "other", seed=1),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    srv = HfServer(models["base"], tmp_path_factory.mktemp("logs"), "--seed", "0")
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def gen(srv: HfServer, sampling=None, **extra) -> tuple[int, object]:
+    return srv.post("/generate", {"input_ids": PROMPT, "sampling_params": sampling or GREEDY,
+                                  **extra})  # fmt: skip
+
+
+def version(srv: HfServer) -> str:
+    return srv.get("/model_info")[1]["weight_version"]
+
+
+# -- probes and info ---------------------------------------------------------------------------
+
+
+def test_probes_answer_empty_bodies(server):
+    # srt/entrypoints/http_server.py:714-719 (/ready), :721-800 (/health, /health_generate):
+    # Response(status_code=200) with no body.
+    for path in ("/health", "/health_generate", "/ready"):
+        assert server.get(path) == (200, "")
+
+
+def test_model_info_shape(server, models):
+    # srt/entrypoints/http_server.py:812-850
+    status, info = server.get("/model_info")
+    assert status == 200
+    assert set(info) >= {
+        "model_path", "served_model_name", "tokenizer_path", "is_generation",
+        "preferred_sampling_params", "weight_version", "load_format", "reasoning_parser",
+        "tool_call_parser", "disaggregation_mode", "has_image_understanding",
+        "has_audio_understanding", "model_type", "architectures",
+    }  # fmt: skip
+    # srt/arg_groups/fields/serving.py:172-175: the version a server starts with.
+    assert info["weight_version"] == "default"
+    assert info["is_generation"] is True and info["architectures"] == ["Qwen2ForCausalLM"]
+    # :802-809: the deprecated alias still answers the same.
+    assert server.get("/get_model_info")[1] == info
+
+
+def test_server_info_has_the_parallel_sizes_a_trainer_needs(server):
+    # srt/entrypoints/http_server.py:863-895: server_args fields (tp_size, pp_size,
+    # dp_size, random_seed ...) plus startup_time, internal_states.
+    status, info = server.get("/server_info")
+    assert status == 200
+    assert (info["tp_size"], info["pp_size"], info["dp_size"]) == (1, 1, 1)
+    assert info["random_seed"] == 0 and "startup_time" in info and "internal_states" in info
+    assert "api_key" not in info
+
+
+def test_removed_route_is_gone(server):
+    # 0.5.23 serves no /get_weight_version (grep of srt/entrypoints/http_server.py).
+    assert server.get("/get_weight_version")[0] == 404
+
+
+# -- /generate ---------------------------------------------------------------------------------
+
+
+def test_generate_reply_shape(server):
+    status, body = gen(server, {"max_new_tokens": 4, "temperature": 0}, return_logprob=True)
+    assert status == 200
+    assert set(body) == {"text", "output_ids", "meta_info"}
+    meta = body["meta_info"]
+    # srt/managers/tokenizer_manager.py:2507-2513 (id, finish_reason, prompt_tokens,
+    # weight_version, num_retractions), :2554-2560 (reasoning/completion/cached tokens),
+    # :2868-2870 (input/output_token_logprobs, output_token_logprobs_length),
+    # srt/utils/weight_versions.py:90-107 (weight_versions spans), :2753 (e2e_latency).
+    assert set(meta) >= {
+        "id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions",
+        "input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length",
+        "reasoning_tokens", "completion_tokens", "cached_tokens", "weight_versions",
+        "e2e_latency",
+    }  # fmt: skip
+    n = meta["completion_tokens"]
+    assert meta["output_token_logprobs_length"] == n == len(body["output_ids"])
+    # api/v1/api_types.py:340-355: a logprob entry is [logprob, token_id, text|null].
+    assert [e[1] for e in meta["output_token_logprobs"]] == body["output_ids"]
+    assert all(len(e) == 3 and e[2] is None for e in meta["output_token_logprobs"])
+    # srt/managers/scheduler.py:3260-3264: logprob_start_len -1 -> no input logprobs.
+    assert meta["input_token_logprobs"] == []
+    assert meta["weight_versions"] == [{"version": "default", "start": 0, "end": n}]
+    assert meta["num_retractions"] == 0
+    # srt/managers/schedule_batch.py:320-329
+    assert meta["finish_reason"] == {"type": "length", "length": 4}
+
+
+def test_unknown_sampling_key_is_a_contract_error(server):
+    # api/v1/api_types.py:97-108 (text), :1259-1320 (unknown keys rejected),
+    # srt/entrypoints/http_server.py:937-939 (400, {"error": "<text>"}).
+    status, body = gen(server, {"max_new_tokens": 2, "seed": 1})
+    listed = ", ".join(f"`{f}`" for f in SAMPLING_FIELDS)
+    assert status == 400
+    assert body == {"error": f"unknown field `seed`, expected one of {listed}"}
+    # The seed key SGLang knows is accepted.
+    assert gen(server, {"max_new_tokens": 2, "sampling_seed": 1})[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("sampling", "text"),
+    [
+        # api/v1/api_types.py:30-50, :73-76 (f64), :59-62 (i64)
+        ({"temperature": "hot"}, 'invalid type: string "hot", expected f64'),
+        ({"top_k": 1.5}, "invalid type: floating point `1.5`, expected i64"),
+        ({"ignore_eos": 1}, "invalid type: integer `1`, expected a boolean"),
+    ],
+)
+def test_wrong_json_types_are_contract_errors(server, sampling, text):
+    assert gen(server, sampling) == (400, {"error": text})
+
+
+@pytest.mark.parametrize(
+    ("sampling", "message"),
+    [
+        # srt/sampling/sampling_params.py:259-260, :263-266, :256-258, :286-289
+        ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5."),
+        ({"top_k": 0}, "top_k must be -1 (disable) or at least 1, got 0."),
+        ({"temperature": -1}, "temperature must be a non-negative finite number, got -1.0."),
+        ({"max_new_tokens": -2}, "max_new_tokens must be at least 0, got -2."),
+    ],
+)
+def test_semantic_errors_have_the_value_error_shape(server, sampling, message):
+    # srt/entrypoints/http_server.py:2246-2250: {"error": {"message": str(e)}}
+    assert gen(server, sampling) == (400, {"error": {"message": message}})
+
+
+def test_no_prompt_and_empty_prompt(server):
+    # srt/managers/io_struct.py:445-455 and :497-499
+    assert server.post("/generate", {"sampling_params": GREEDY}) == (
+        400,
+        {"error": {"message": "Either text, input_ids or input_embeds should be provided."}},
+    )
+    status, body = server.post("/generate", {"input_ids": [], "sampling_params": GREEDY})
+    assert (status, body) == (400, {"error": {"message": "input_ids cannot be empty."}})
+
+
+def test_unknown_top_level_keys_are_ignored(server):
+    # api/v1/api_types.py:236-238: GenerateRequest ignores unknown keys.
+    assert gen(server, GREEDY, not_a_field=1)[0] == 200
+
+
+def test_batch_replies_one_object_per_prompt(server):
+    # srt/managers/io_struct.py:505-530: a list of lists of ids is a batch.
+    status, body = server.post(
+        "/generate", {"input_ids": [PROMPT, PROMPT[:2]], "sampling_params": GREEDY, "rid": "b"}
+    )
+    assert status == 200 and [r["meta_info"]["id"] for r in body] == ["b_0", "b_1"]
+
+
+# -- pause, continue, abort, flush -------------------------------------------------------------
+
+
+def test_pause_and_continue_replies(server):
+    # srt/entrypoints/http_server.py:1831-1856
+    assert server.post("/pause_generation", {"mode": "retract"}) == (
+        200,
+        {"message": "Generation paused successfully.", "status": "ok"},
+    )
+    assert server.post("/continue_generation", {}) == (
+        200,
+        {"message": "Generation continued successfully.", "status": "ok"},
+    )
+    # srt/managers/io_struct.py:1946: mode is a Literal; pydantic refuses others with 400
+    # and the ErrorResponse body (srt/entrypoints/http_server.py:636-698).
+    status, body = server.post("/pause_generation", {"mode": "freeze"})
+    assert status == 400 and body["object"] == "error" and body["code"] == 400
+
+
+def _in_background(fn, *args):
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(result=fn(*args)))
+    t.start()
+    return t, out
+
+
+LONG = {"max_new_tokens": 300, "ignore_eos": True, "temperature": 1.0}
+
+
+def _wait_running(srv: HfServer) -> None:
+    deadline = time.monotonic() + 30
+    while srv.get("/server_info")[1]["batching"]["running"] == 0:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.01)
+
+
+def test_pause_abort_mode_answers_in_flight_requests_as_aborted(server):
+    # srt/managers/io_struct.py:1946 (default mode abort), tokenizer_manager.py:2267-2280;
+    # srt/managers/schedule_batch.py:332-345: the abort finish reason's four keys.
+    t, out = _in_background(gen, server, LONG)
+    _wait_running(server)
+    assert server.post("/pause_generation", {})[0] == 200
+    t.join(30)
+    server.post("/continue_generation", {})
+    status, body = out["result"]
+    assert status == 200
+    assert body["meta_info"]["finish_reason"] == {
+        "type": "abort", "message": "Aborted", "status_code": None, "err_type": None,
+    }  # fmt: skip
+    assert len(body["output_ids"]) < 300
+
+
+def test_pause_retract_resumes_on_new_weights_with_version_spans(server, models):
+    # srt/managers/scheduler.py:5817-5900 (retract: running requests back to the queue),
+    # srt/utils/weight_versions.py:39-107 (spans over output positions per version),
+    # srt/managers/tokenizer_manager.py:2512 (num_retractions).
+    t, out = _in_background(gen, server, LONG)
+    _wait_running(server)
+    assert server.post("/pause_generation", {"mode": "retract"})[0] == 200
+    status, res = server.post(
+        "/update_weights_from_disk", {"model_path": str(models["other"]), "weight_version": "r1"}
+    )
+    assert status == 200 and res["success"] is True
+    server.post("/continue_generation", {})
+    t.join(60)
+    status, body = out["result"]
+    meta = body["meta_info"]
+    assert status == 200 and len(body["output_ids"]) == 300
+    assert meta["num_retractions"] == 1 and meta["weight_version"] == "r1"
+    spans = meta["weight_versions"]
+    assert [s["version"] for s in spans] == ["default", "r1"]
+    assert (
+        spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 300
+    )
+    server.post("/update_weights_from_disk", {"model_path": str(models["base"]),
+                                              "weight_version": "default"})  # fmt: skip
+
+
+def test_in_place_pause_keeps_the_cache_so_an_update_cannot_flush(server, models):
+    # srt/managers/scheduler.py:5821-5831 (in_place keeps the running batch),
+    # srt/managers/scheduler_components/weight_updater.py:120-135 (a flush refused fails the
+    # update with this message; the weights changed), srt/entrypoints/http_server.py:1025-1040.
+    t, out = _in_background(gen, server, LONG)
+    _wait_running(server)
+    assert server.post("/pause_generation", {"mode": "in_place"})[0] == 200
+    before = version(server)
+    status, res = server.post(
+        "/update_weights_from_disk", {"model_path": str(models["base"]), "weight_version": "x"}
+    )
+    assert status == 400 and res["success"] is False
+    assert res["message"].startswith("Weights were updated, but the cache was not flushed")
+    assert version(server) == before
+    assert server.post("/flush_cache", {}) == (400, "Flush cache failed.\n")
+    server.post("/continue_generation", {})
+    t.join(60)
+    assert out["result"][0] == 200 and len(out["result"][1]["output_ids"]) == 300
+    assert server.get("/flush_cache")[1].startswith("Cache flushed.\n")
+
+
+def test_abort_request_answers_an_empty_body(server):
+    # srt/entrypoints/http_server.py:1721-1731, srt/managers/io_struct.py:2285-2296
+    t, out = _in_background(gen, server, LONG)
+    _wait_running(server)
+    assert server.post("/abort_request", {"abort_all": True}) == (200, "")
+    t.join(30)
+    assert out["result"][1]["meta_info"]["finish_reason"]["type"] == "abort"
+    rid_t, rid_out = _in_background(
+        lambda: server.post(
+            "/generate", {"input_ids": PROMPT, "sampling_params": LONG, "rid": "one"}
+        )  # fmt: skip
+    )
+    _wait_running(server)
+    assert server.post("/abort_request", {"rid": "one"}) == (200, "")
+    rid_t.join(30)
+    assert rid_out["result"][1]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+# -- weights -----------------------------------------------------------------------------------
+
+
+def test_update_from_disk_reply_and_version_rules(server, models):
+    # srt/entrypoints/http_server.py:1300-1326: {success, message, num_paused_requests};
+    # srt/managers/io_struct.py:1970-1993: weight_version is Optional[str];
+    # srt/managers/tokenizer_manager.py:2313-2318: the version moves only when one is given.
+    was = version(server)
+    status, res = server.post("/update_weights_from_disk", {"model_path": str(models["base"])})
+    assert (status, set(res)) == (200, {"success", "message", "num_paused_requests"})
+    assert res["message"] == "Succeeded to update model weights." and version(server) == was
+    status, res = server.post(
+        "/update_weights_from_disk", {"model_path": str(models["base"]), "weight_version": "7"}
+    )
+    assert res["message"] == "Succeeded to update model weights. Weight version updated to 7."
+    assert version(server) == "7"
+    status, body = server.post(
+        "/update_weights_from_disk", {"model_path": str(models["base"]), "weight_version": 8}
+    )
+    assert status == 400 and body["object"] == "error" and version(server) == "7"
+    status, body = server.post("/update_weights_from_disk", {})
+    assert status == 400 and body["object"] == "error"
+    server.post("/update_weight_version", {"new_version": "default"})
+
+
+def test_update_weight_version(server):
+    # srt/entrypoints/http_server.py:1527-1556, srt/managers/io_struct.py:2155-2159
+    assert server.post("/update_weight_version", {"new_version": "v9"}) == (
+        200,
+        {"success": True, "message": "Weight version updated to v9", "new_version": "v9"},
+    )
+    assert version(server) == "v9"
+    assert gen(server)[1]["meta_info"]["weight_version"] == "v9"
+    server.post("/update_weight_version", {"new_version": "default"})
+
+
+def test_weight_update_session_rules(server):
+    # srt/managers/scheduler_components/weight_updater.py:309-340 (begin/end texts) and
+    # :187-197 (a distributed update outside a session), srt/entrypoints/http_server.py:
+    # 1458-1504 ({success, message}, 200 or 400).
+    upd = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]],
+           "group_name": "g"}  # fmt: skip
+    assert server.post("/update_weights_from_distributed", upd) == (400, {
+        "success": False,
+        "message": "update_weights_from_distributed must run between begin_weight_update() "
+        "and end_weight_update()",
+    })  # fmt: skip
+    assert server.post("/end_weight_update", {}) == (400, {
+        "success": False,
+        "message": "no weight-update session is open; call begin_weight_update() first",
+    })  # fmt: skip
+    assert server.post("/begin_weight_update", {}) == (200, {"success": True, "message": "Success"})
+    assert server.post("/begin_weight_update", {}) == (400, {
+        "success": False,
+        "message": "a weight-update session is already open; call end_weight_update() first",
+    })  # fmt: skip
+    # srt/model_executor/model_runner_components/weight_updater.py:271-275: an unknown group.
+    status, res = server.post("/update_weights_from_distributed", upd)
+    assert status == 400 and res["message"].startswith("Failed to receive weights: Group g not in")
+    assert server.post("/end_weight_update", {}) == (200, {"success": True, "message": "Success"})
+
+
+def test_destroying_an_unknown_group(server):
+    # srt/model_executor/model_runner_components/weight_updater.py:146-157
+    assert server.post("/destroy_weights_update_group", {"group_name": "nope"}) == (
+        400,
+        {"success": False, "message": "The group to be destroyed does not exist."},
+    )
+
+
+def test_init_group_needs_its_fields(server):
+    # srt/managers/io_struct.py:2126-2138: master_address, master_port, rank_offset and
+    # world_size are required; pydantic answers 400 with the ErrorResponse body.
+    status, body = server.post("/init_weights_update_group", {"master_address": "127.0.0.1"})
+    assert status == 400 and body["object"] == "error" and body["type"] == "Bad Request"
+
+
+# -- auth --------------------------------------------------------------------------------------
+
+
+def test_api_key_spares_only_probes(models, tmp_path):
+    # srt/utils/auth.py:96-103 (health, ready and metrics are always allowed) and :192-203
+    # ({"error": "Unauthorized"}, 401).
+    with HfServer(models["base"], tmp_path, "--api-key", "k") as srv:
+        srv.wait_healthy()
+        assert srv.get("/ready")[0] == 200 and srv.get("/health_generate")[0] == 200
+        assert srv.get("/model_info") == (401, {"error": "Unauthorized"})
+        assert srv.post("/pause_generation", {}) == (401, {"error": "Unauthorized"})
+        ok = srv.get("/model_info", headers={"Authorization": "Bearer k"})
+        assert ok[0] == 200

@@ -1,0 +1,266 @@
+"""Weight sync over a process group, with real processes: hf servers on loopback, a trainer
+(plain python or torchrun with two FSDP ranks over gloo), and the faults that must not hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from areal_cli.modelgen import create_tiny_model
+from tests.integration.helpers_server import HfServer, free_port
+
+HERE = Path(__file__).parent
+TRAINER = str(HERE / "sync_trainer.py")
+PROMPT = [72, 101, 108, 108, 111]
+GREEDY = {"max_new_tokens": 6, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "tiny": create_tiny_model(root / "tiny", seed=0),
+        # 4M parameters: enough buckets of 64 KiB that a server can die half way.
+        "mid": create_tiny_model(
+            root / "mid", hidden_size=256, num_layers=4, intermediate_size=1024, seed=0
+        ),
+    }
+
+
+def start(model: Path, log_dir: Path, n: int, *args: str) -> list[HfServer]:
+    servers = [HfServer(model, log_dir, "--seed", "0", *args) for _ in range(n)]
+    for s in servers:
+        s.wait_healthy()
+    return servers
+
+
+def greedy(srv: HfServer) -> list[int]:
+    status, body = srv.post("/generate", {"input_ids": PROMPT, "sampling_params": GREEDY})
+    assert status == 200, body
+    return body["output_ids"]
+
+
+def version(srv: HfServer) -> str:
+    return srv.get("/model_info")[1]["weight_version"]
+
+
+def trainer(model: Path, servers: list[HfServer], *args: str, nproc: int = 1) -> list[str]:
+    addrs = ",".join(f"127.0.0.1:{s.port}" for s in servers)
+    cmd = [sys.executable, TRAINER, "--model", str(model), "--servers", addrs, *args]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(free_port()), *cmd[1:]]  # fmt: skip
+    return cmd
+
+
+def run_trainer(cmd: list[str], timeout: float = 240) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
+
+
+def test_distributed_sync_reaches_every_replica_and_reuses_its_group(models, tmp_path):
+    servers = start(models["tiny"], tmp_path, 2)
+    try:
+        before = [greedy(s) for s in servers]
+        lines = run_trainer(trainer(models["tiny"], servers, "--syncs", "2"))
+        assert [x["ok"] for x in lines] == [True, True], lines
+        for s in servers:
+            assert version(s) == "2"
+            assert greedy(s) == lines[-1]["expected"] != before[0]
+            # One group for both syncs: the rendezvous ran once per server.
+            assert s.log().count("init custom process group") == 1
+            assert s.log().count("weights updated from distributed") == 2
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_fsdp_ranks_over_torchrun_sync_the_gathered_model(models, tmp_path):
+    servers = start(models["tiny"], tmp_path, 1)
+    try:
+        lines = run_trainer(trainer(models["tiny"], servers, "--syncs", "2", nproc=2))
+        assert [x["ok"] for x in lines] == [True, True], lines
+        assert version(servers[0]) == "2" and greedy(servers[0]) == lines[-1]["expected"]
+    finally:
+        servers[0].stop()
+
+
+def test_disk_sync_sends_the_version_and_reads_it_back(models, tmp_path):
+    servers = start(models["tiny"], tmp_path, 1)
+    try:
+        cmd = trainer(models["tiny"], servers, "--method", "disk",
+                      "--weights-dir", str(tmp_path / "w"))  # fmt: skip
+        (line,) = run_trainer(cmd)
+        assert line["ok"] and line["version"] == "1", line
+        assert version(servers[0]) == "1" and greedy(servers[0]) == line["expected"]
+    finally:
+        servers[0].stop()
+
+
+def test_a_server_killed_mid_broadcast_fails_the_sync_in_time_and_the_next_one_skips_it(
+    models, tmp_path
+):
+    timeout = 20.0
+    a, b = start(models["mid"], tmp_path, 2, "--weight-sync-timeout", "15")
+    gate = tmp_path / "go"
+    cmd = trainer(models["mid"], [a, b], "--syncs", "2", "--bucket-bytes", str(64 << 10),
+                  "--timeout", str(timeout), "--wait-file", str(gate))  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        old = greedy(a)
+        deadline = time.monotonic() + 120
+        while not b.get("/server_info")[1]["weight_update"]["staged_tensors"]:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.005)
+        os.kill(b.proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        first = json.loads(proc.stdout.readline())
+        failed_after = time.monotonic() - killed
+        # It fails, within its timeout, and says which server.
+        assert first["ok"] is False and f"127.0.0.1:{b.port}" in first["error"], first
+        assert failed_after < timeout
+        # The survivor kept its old weights, whole: nothing of the broken sync was installed.
+        assert version(a) == "default" and greedy(a) == old
+        gate.touch()
+        second = json.loads(proc.stdout.readline())
+        assert second["ok"] is True and second["servers"] == [f"127.0.0.1:{a.port}"], second
+        assert version(a) == "2" and greedy(a) == second["expected"]
+        assert proc.wait(60) == 0, proc.stderr.read()[-3000:]
+    finally:
+        proc.kill()
+        proc.wait()
+        a.stop()
+        b.stop()
+
+
+# Rank 0 driven by hand, to send what a buggy trainer would: the server must answer 400,
+# keep its weights, and refuse a second group of the same name.
+BAD_SENDER = textwrap.dedent("""
+    import json, sys, threading, urllib.request, torch
+    from areal_cli.server import weight_group
+    url, name = sys.argv[1], "g1"
+
+    def post(path, body):
+        req = urllib.request.Request(url + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def together(path, body, fn):
+        out = {}
+        t = threading.Thread(target=lambda: out.update(r=post(path, body)))
+        t.start(); fn(); t.join()
+        return out["r"]
+
+    store = weight_group.listen("127.0.0.1", 2, 30)
+    init = {"master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1,
+            "world_size": 2, "group_name": name, "backend": "gloo"}
+    holder = {}
+    def join():
+        holder["g"] = weight_group.join(master_address="127.0.0.1", master_port=store.port,
+            rank=0, world_size=2, group_name=name, backend="gloo", timeout_s=30, store=store)
+    results = {"init": together("/init_weights_update_group", init, join)}
+    group = holder["g"]
+    results["second_init"] = post("/init_weights_update_group", init)
+    results["begin"] = post("/begin_weight_update", {})
+    for case, dtype, shape in [("shape", torch.float32, [65]), ("dtype", torch.bfloat16, [64])]:
+        t = torch.ones(shape, dtype=dtype)
+        body = {"names": ["model.norm.weight"], "dtypes": [str(dtype)[6:]], "shapes": [shape],
+                "group_name": name, "load_format": "flattened_bucket", "weight_version": "bad"}
+        flat = weight_group.flatten([t])
+        results[case] = together("/update_weights_from_distributed", body,
+                                 lambda: group.broadcast(flat, 30))
+    results["end"] = post("/end_weight_update", {})
+    results["destroy"] = post("/destroy_weights_update_group", {"group_name": name})
+    print(json.dumps(results))
+""")
+
+
+def test_bad_shapes_and_dtypes_are_refused_and_a_live_group_cannot_be_made_twice(models, tmp_path):
+    (srv,) = start(models["tiny"], tmp_path, 1)
+    try:
+        old = greedy(srv)
+        res = subprocess.run([sys.executable, "-c", BAD_SENDER, srv.url], capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+        assert res.returncode == 0, res.stderr[-3000:]
+        r = json.loads(res.stdout.strip().splitlines()[-1])
+        assert r["init"] == [
+            200,
+            {"success": True, "message": "Succeeded to initialize custom process group."},
+        ]
+        assert r["second_init"][0] == 400
+        assert "already been created" in r["second_init"][1]["message"]
+        assert r["begin"][0] == 200
+        assert r["shape"][0] == 400 and "shape [65]" in r["shape"][1]["message"]
+        assert r["dtype"][0] == 400 and "bfloat16" in r["dtype"][1]["message"]
+        assert r["end"][0] == 200 and r["destroy"][0] == 200
+        assert version(srv) == "default" and greedy(srv) == old
+    finally:
+        srv.stop()
+
+
+# A receiver built exactly as SGLang 0.5.23 builds its side of the group
+# (srt/utils/common.py:2859-2927, init_custom_process_group: rendezvous at tcp://addr:port,
+# PrefixStore(group_name), torch's _new_process_group_helper) and reading the bucket as
+# srt/weight_sync/tensor_bucket.py:99-150 does. Our trainer-side group must meet it.
+SGLANG_RECEIVER = textwrap.dedent("""
+    import datetime, json, sys, torch
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore,
+        _new_process_group_helper, _world, rendezvous)
+    port, name = int(sys.argv[1]), sys.argv[2]
+    timeout = datetime.timedelta(seconds=30)
+    store, rank, world = next(rendezvous(f"tcp://127.0.0.1:{port}", 1, 2, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(name, store)
+    pg, _ = _new_process_group_helper(2, 1, [], Backend("gloo"), store, group_name=name,
+                                      backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(2)}
+    sizes = [(torch.float32, (3, 4)), (torch.bfloat16, (5,))]
+    nbytes = [torch.Size(s).numel() * d.itemsize for d, s in sizes]
+    flat = torch.empty(sum(nbytes), dtype=torch.uint8)
+    torch.distributed.broadcast(flat, src=0, group=pg)
+    a = flat[: nbytes[0]].view(torch.float32).reshape(3, 4)
+    b = flat[nbytes[0]:].view(torch.bfloat16).reshape(5)
+    print(json.dumps([a.sum().item(), b.float().sum().item()]))
+""")
+
+
+def test_our_group_meets_sglangs_own_group_helper(tmp_path):
+    import torch
+
+    from areal_cli.server import weight_group
+
+    store = weight_group.listen("127.0.0.1", 2, 30)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SGLANG_RECEIVER, str(store.port), "wg"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        group = weight_group.join(master_address="127.0.0.1", master_port=store.port, rank=0,
+                                  world_size=2, group_name="wg", backend="gloo", timeout_s=30,
+                                  store=store)  # fmt: skip
+        a = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+        b = torch.full((5,), 2.0, dtype=torch.bfloat16)
+        group.broadcast(weight_group.flatten([a, b]), 30)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err[-3000:]
+        assert json.loads(out) == [66.0, 10.0]
+        group.close()
+    finally:
+        proc.kill()
+        proc.wait()
