@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from areal_cli.console import err, out, print_json
+from areal_cli import console
 
 app = typer.Typer(
     help="""Diagnose distributed training: hangs, debug env presets, all_reduce, host health, mesh.
@@ -49,9 +49,11 @@ def hang_cmd(
         None, "--job", "-j", help="A job record EXPERIMENT/TRIAL (see `areal ps`)."
     ),
     samples: int = typer.Option(
-        1, "--samples", "-n", min=1, max=100, help="Dump rounds; >1 tells stuck from slow."
+        3, "--samples", "-n", min=1, max=100, help="Dump rounds compared for movement."
     ),
-    interval: float = typer.Option(0.5, "--interval", min=0.0, help="Seconds between rounds."),
+    interval: float = typer.Option(
+        0.5, "--interval", min=0.0, help="Seconds from one round's start to the next."
+    ),
     native: bool = typer.Option(False, "--native", help="Include C/C++ frames (slower)."),
     show_locals: bool = typer.Option(
         False, "--locals", help="Include local variables of each frame."
@@ -70,7 +72,8 @@ def hang_cmd(
     Without --pid or --job: every torchrun/areal job of this user on this host.
 
     Verdicts: mismatched_collective, collective_type_mismatch, missing_rank,
-    blocked_outside_collective, straggler, collective_stuck, no_hang.
+    blocked_outside_collective, straggler, collective_stuck, progressing, no_hang.
+    A hang is called only when nothing moved across the samples (3 over about 1 s).
 
     --json prints {job, ranks, groups, verdict, samples, errors}; with several jobs, the
     first that hangs is at the top level and all are under "jobs".
@@ -84,16 +87,20 @@ def hang_cmd(
       areal doctor hang --samples 5 --interval 1 --json
       areal doctor hang --job myexp/trial0 --native --out ./hang-report
     """
+    import time
+
     from areal_cli.diagnose import hang, targets
     from areal_cli.errors import UsageError
 
     if pid and job:
         raise UsageError("give --pid or --job, not both")
+    found_at = time.monotonic()
     jobs = targets.resolve(pids=list(pid or []), job=job, home=home)
+    find_s = time.monotonic() - found_at
     nranks = sum(len(j.ranks) for j in jobs)
     status = None
-    if err.is_terminal and not json_out:
-        status = err.status(f"dumping {nranks} rank(s)...")
+    if not json_out and console.err.is_terminal:
+        status = console.err.status(f"dumping {nranks} rank(s)...")
         status.start()
 
     def progress(sample: int, done: int, total: int) -> None:
@@ -117,22 +124,23 @@ def hang_cmd(
     written = hang.write_bundle(reports, out_dir) if out_dir else []
     if json_out:
         data = hang.to_json(reports)
+        data["timing"]["find_s"] = round(find_s, 4)
         if out_dir:
             data["out"] = str(out_dir)
-        print_json(data)
+        console.print_json(data)
     else:
         for i, rep in enumerate(reports):
             if i:
-                out.print()
+                console.out.print()
             render_hang(rep, show_locals=show_locals)
         if written:
-            out.print(f"[dim]raw dumps and summary.json written to {out_dir}[/]")
+            console.out.print(f"[dim]raw dumps and summary.json written to {out_dir}[/]")
     if any(rep.failed for rep in reports):
         for rep in reports:
             for e in rep.errors:
-                err.print(f"[red]rank {e['rank']} (pid {e['pid']}): {e['error']}[/]")
+                console.err.print(f"[red]rank {e['rank']} (pid {e['pid']}): {e['error']}[/]")
                 if e.get("fix"):
-                    err.print(f"[yellow]fix:[/] {e['fix']}")
+                    console.err.print(f"[yellow]fix:[/] {e['fix']}")
         raise typer.Exit(1)
 
 
@@ -147,16 +155,18 @@ def render_hang(rep, show_locals: bool = False) -> None:
     if job.multi_host:
         head += f" · this host: ranks {_ranks_text(job.expected_local_ranks())}"
     head += f" · {rep.samples} sample{'s' if rep.samples > 1 else ''}"
-    out.print(head)
+    console.out.print(head)
     odd = set(v.odd_ranks) if v else set()
     if v is not None:
-        color = "green" if v.kind == "no_hang" else "bold red"
-        out.print(f"verdict: [{color}]{v.kind}[/]")
-        out.print(f"  {escape(v.summary)}")
+        color = "bold red" if v.is_hang else "green"
+        console.out.print(f"verdict: [{color}]{v.kind}[/]")
+        console.out.print(f"  {escape(v.summary)}")
+        if v.certainty:
+            console.out.print(f"  [dim]how sure ({v.confidence}): {escape(v.certainty)}[/]")
         if v.odd_ranks:
-            out.print(f"  odd ranks: [bold red]{_ranks_text(v.odd_ranks)}[/]")
+            console.out.print(f"  odd ranks: [bold red]{_ranks_text(v.odd_ranks)}[/]")
         if v.hint:
-            out.print(f"  [yellow]hint:[/] {escape(v.hint)}")
+            console.out.print(f"  [yellow]hint:[/] {escape(v.hint)}")
     tree = Tree(f"[bold]{escape(job.label)}[/]", guide_style="dim")
     by_rank = {r.rank: r for r in a.ranks}
     for g in a.groups:
@@ -200,7 +210,7 @@ def render_hang(rep, show_locals: bool = False) -> None:
             pid = f" [dim](pid {r.pid})[/]" if r.pid else ""
             tree.add(f"[bold red]✗ rank {r.rank}[/]{pid} — [red]{r.state}[/]: {reason}")
     # Wrap long frames instead of cutting them: the file:line at the end is the point.
-    out.print(tree, soft_wrap=False)
+    console.out.print(tree, soft_wrap=False)
 
 
 def _short_native(name: str, limit: int = 100) -> str:
@@ -284,8 +294,8 @@ def env_cmd(
     warnings = presets.check(preset)
     for w in warnings:
         origin = " (from your environment)" if w.source == "environment" else ""
-        err.print(f"[yellow]warning:[/] {w.message}{origin}")
-        err.print(f"  [dim]fix: {w.fix}[/]")
+        console.err.print(f"[yellow]warning:[/] {w.message}{origin}")
+        console.err.print(f"  [dim]fix: {w.fix}[/]")
     if cmd:
         code = presets.run_with_preset(preset, list(cmd))
         raise typer.Exit(code)
@@ -301,7 +311,9 @@ def _list_presets(presets, shell: str) -> None:
 
     items = [presets.get_preset(n) for n in presets.preset_names()]
     if shell == "json":
-        print_json([{"name": p.name, "description": p.description, "vars": p.env()} for p in items])
+        console.print_json(
+            [{"name": p.name, "description": p.description, "vars": p.env()} for p in items]
+        )
         return
     table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
     table.add_column("preset", style="bold cyan", no_wrap=True)
@@ -309,14 +321,14 @@ def _list_presets(presets, shell: str) -> None:
     table.add_column("variables", style="dim")
     for p in items:
         table.add_row(p.name, p.description, " ".join(v.name for v in p.vars))
-    out.print(table)
+    console.out.print(table)
 
 
 def _explain(p, shell: str) -> None:
     from rich.table import Table
 
     if shell == "json":
-        print_json(
+        console.print_json(
             {
                 "name": p.name,
                 "description": p.description,
@@ -324,14 +336,14 @@ def _explain(p, shell: str) -> None:
             }
         )
         return
-    out.print(f"[bold]{p.name}[/]: {p.description}")
+    console.out.print(f"[bold]{p.name}[/]: {p.description}")
     table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
     table.add_column("variable", style="cyan", no_wrap=True)
     table.add_column("value", style="bold", no_wrap=True)
     table.add_column("meaning")
     for v in p.vars:
         table.add_row(v.name, v.value, v.meaning)
-    out.print(table)
+    console.out.print(table)
 
 
 # =========================================================================== allreduce
@@ -385,15 +397,15 @@ def allreduce_cmd(
     table = None
     live = None
     if not json_out:
-        out.print(
+        console.out.print(
             f"[bold]all_reduce[/] · backend {backend} · {nproc} ranks · sizes {sizes} · "
             f"iters {iters} · warmup {warmup} · timeout {timeout:g}s"
         )
         table = _allreduce_table()
-        if out.is_terminal:
+        if console.out.is_terminal:
             from rich.live import Live
 
-            live = Live(table, console=out, refresh_per_second=8)
+            live = Live(table, console=console.out, refresh_per_second=8)
             live.start()
 
     def on_row(row) -> None:
@@ -403,7 +415,7 @@ def allreduce_cmd(
     def on_hang() -> None:
         if live is not None:
             live.stop()
-        err.print(f"[red]no progress within {timeout:g}s: dumping the repro's ranks[/]")
+        console.err.print(f"[red]no progress within {timeout:g}s: dumping the repro's ranks[/]")
 
     try:
         result = allreduce.run(
@@ -421,27 +433,29 @@ def allreduce_cmd(
         if live is not None and live.is_started:
             live.stop()
     if json_out:
-        print_json(result.to_json())
+        console.print_json(result.to_json())
     else:
         if live is None and table is not None:
-            out.print(table)
+            console.out.print(table)
         if result.rows:
-            out.print(f"[bold]avg busbw[/] {result.avg_busbw:.3f} GB/s · #wrong {result.wrong}")
+            console.out.print(
+                f"[bold]avg busbw[/] {result.avg_busbw:.3f} GB/s · #wrong {result.wrong}"
+            )
         if result.timed_out:
             if result.hang_reports:
                 from areal_cli.diagnose import hang
 
                 render_hang(hang.primary(result.hang_reports))
             elif result.hang_error:
-                err.print(f"[red]hang diagnosis failed:[/] {result.hang_error}")
+                console.err.print(f"[red]hang diagnosis failed:[/] {result.hang_error}")
     if result.timed_out:
-        err.print(
+        console.err.print(
             f"[bold red]error:[/] the all_reduce repro did not finish within {timeout:g}s; "
             "it was torn down"
         )
         raise typer.Exit(3)
     if result.wrong:
-        err.print(
+        console.err.print(
             f"[bold red]error:[/] {result.wrong} wrong element(s): the all_reduce result is corrupt"
         )
         raise typer.Exit(1)
@@ -503,14 +517,14 @@ def check_cmd(
     """
     from areal_cli.diagnose import check
 
-    if err.is_terminal and not json_out:
-        with err.status("checking this host..."):
+    if not json_out and console.err.is_terminal:
+        with console.err.status("checking this host..."):
             rows = check.run_checks(home=home, registry=registry)
     else:
         rows = check.run_checks(home=home, registry=registry)
     failed = [r for r in rows if r.status == check.FAIL]
     if json_out:
-        print_json(
+        console.print_json(
             {
                 "rows": [r.to_json() for r in rows],
                 "ok": not failed,
@@ -536,7 +550,7 @@ def check_cmd(
         }
         for r in rows:
             t.add_row(mark[r.status], r.name, escape(r.detail), escape(r.fix or ""))
-        out.print(t)
+        console.out.print(t)
     if failed:
         raise typer.Exit(1)
 
@@ -568,12 +582,12 @@ def mesh_cmd(
 
     m = mesh.from_alloc(alloc, name)
     if json_out:
-        print_json(m.to_json())
+        console.print_json(m.to_json())
         return
     from rich.table import Table
 
     dims = m.names
-    out.print(
+    console.out.print(
         f"[bold]{m.component}[/] · world size {m.world_size} · "
         + " × ".join(f"{d}={s}" for d, s in m.dims.mesh_dims)
         + " · order outermost→innermost: "
@@ -591,10 +605,10 @@ def mesh_cmd(
             *(str(r["coords"][d]) for d in dims),
             *(" ".join(map(str, r["groups"][g])) for g in m.groups),
         )
-    out.print(t)
+    console.out.print(t)
     for g, members in m.groups.items():
-        out.print(
+        console.out.print(
             f"[cyan]{g}[/] groups: " + "  ".join("[" + " ".join(map(str, b)) + "]" for b in members)
         )
     for n in m.notes:
-        out.print(f"[dim]note: {n}[/]")
+        console.out.print(f"[dim]note: {n}[/]")

@@ -23,12 +23,15 @@ import psutil
 import pytest
 
 from areal_cli import jobs, procs, settings
+from areal_cli.diagnose import stacks
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = ROOT / "tests" / "scenarios"
 AREAL = str(Path(sys.executable).parent / "areal")
 MARK_PREFIX = "doctor-it-"
-BUSY = ("spin_straggler", "busy_all")
+BUSY = ("spin_straggler", "busy_all", "allreduce_loop")
+# Samples closer together where a test is not about how much the samples prove.
+FAST = ("--interval", "0.2")
 
 
 @dataclass
@@ -84,9 +87,18 @@ def _environ(p: psutil.Process) -> dict:
         return {}
 
 
-def launch(name: str, nproc: int, tmp: Path, ready_ranks=None, nice: bool = False) -> Scenario:
-    marker = f"{MARK_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
-    workdir = tmp / name
+def launch(
+    name: str,
+    nproc: int,
+    tmp: Path,
+    ready_ranks=None,
+    nice: bool = False,
+    env: dict | None = None,
+    label: str | None = None,
+) -> Scenario:
+    label = label or name
+    marker = f"{MARK_PREFIX}{label}-{uuid.uuid4().hex[:8]}"
+    workdir = tmp / label
     workdir.mkdir(parents=True)
     port = procs.free_ports(1, start=random.randint(20000, 45000))[0]
     env = {
@@ -98,6 +110,7 @@ def launch(name: str, nproc: int, tmp: Path, ready_ranks=None, nice: bool = Fals
         "PYTHONUNBUFFERED": "1",
         # Under the run's base temp: the suite's end-of-run sweep finds anything that survived.
         "AREAL_HOME": str(tmp / "home"),
+        **(env or {}),
     }
     argv = [
         sys.executable,
@@ -116,7 +129,7 @@ def launch(name: str, nproc: int, tmp: Path, ready_ranks=None, nice: bool = Fals
     log = open(workdir / "torchrun.log", "wb")
     proc = procs.spawn(argv, env=env, cwd=workdir, stdout=log)
     log.close()
-    return Scenario(name, nproc, proc, marker, workdir, tuple(ready_ranks or range(nproc)))
+    return Scenario(label, nproc, proc, marker, workdir, tuple(ready_ranks or range(nproc)))
 
 
 def doctor(
@@ -167,8 +180,12 @@ def blocked(tmp_module):
             ("queue_block", 2, None),
             ("spin_straggler", 2, None),
             ("busy_all", 2, None),
+            ("allreduce_loop", 2, None),
         ]:
             started[name] = launch(name, nproc, tmp_module, ready_ranks=ready, nice=name in BUSY)
+        for stall in ("forward", "backward"):
+            label = f"fsdp2_{stall}"
+            started[label] = launch("fsdp2_stall", 2, tmp_module, env={"STALL": stall}, label=label)
         # Every worker must exist before the first test starts: the suite's leak check counts
         # what runs at a test's start as not that test's doing.
         for s in started.values():
@@ -209,6 +226,7 @@ def test_mismatched_collective(blocked):
     v = data["verdict"]
     assert v["kind"] == "mismatched_collective"
     assert v["odd_ranks"] == [1]
+    assert v["hang"] and v["confidence"] == "high" and data["samples"] == 3
     ranks = {r["rank"]: r for r in data["ranks"]}
     assert ranks[0]["collective"] == "all_reduce" and ranks[0]["state"] == "collective"
     assert ranks[0]["frame"]["file"].endswith("skip_allreduce.py")
@@ -221,7 +239,7 @@ def test_mismatched_collective(blocked):
 def test_collective_type_mismatch(blocked):
     s = blocked["different_collectives"]
     s.wait_ready()
-    data = verdict_of(doctor("--pid", str(s.proc.pid), "--json"))
+    data = verdict_of(doctor("--pid", str(s.proc.pid), *FAST, "--json"))
     v = data["verdict"]
     assert v["kind"] == "collective_type_mismatch"
     assert v["odd_ranks"] == [2]
@@ -236,7 +254,7 @@ def test_missing_rank_during_init(blocked):
     s = blocked["exit_early"]
     s.wait_ready()
     assert procs.wait_until(lambda: len(s.rank_pids()) == 1, 30), "rank 1 did not exit"
-    data = verdict_of(doctor("--pid", str(s.proc.pid), "--json"))
+    data = verdict_of(doctor("--pid", str(s.proc.pid), *FAST, "--json"))
     v = data["verdict"]
     assert v["kind"] == "missing_rank"
     assert v["missing_ranks"] == [1]
@@ -248,7 +266,7 @@ def test_missing_rank_during_init(blocked):
 def test_blocked_outside_collective(blocked):
     s = blocked["queue_block"]
     s.wait_ready()
-    data = verdict_of(doctor("--pid", str(s.proc.pid), "--json"))
+    data = verdict_of(doctor("--pid", str(s.proc.pid), *FAST, "--json"))
     v = data["verdict"]
     assert v["kind"] == "blocked_outside_collective"
     assert v["odd_ranks"] == []
@@ -275,9 +293,113 @@ def test_straggler_is_stuck_across_samples(busy):
 def test_no_hang_when_ranks_compute(busy):
     s = busy("busy_all")
     s.wait_ready()
-    data = verdict_of(doctor("--pid", str(s.proc.pid), "--json"))
+    data = verdict_of(doctor("--pid", str(s.proc.pid), *FAST, "--json"))
     assert data["verdict"]["kind"] == "no_hang"
     assert {r["state"] for r in data["ranks"]} == {"busy"}
+
+
+def test_fsdp2_forward_hang_waits_in_all_gather_single(blocked):
+    s = blocked["fsdp2_forward"]
+    s.wait_ready()
+    data = verdict_of(doctor("--pid", str(s.proc.pid), *FAST, "--json"))
+    v = data["verdict"]
+    assert v["kind"] == "mismatched_collective" and v["odd_ranks"] == [1]
+    assert v["hang"] and v["confidence"] == "high"
+    rank0, rank1 = data["ranks"]
+    assert (rank0["collective"], rank0["op"]) == ("all_gather", "all_gather_single")
+    assert rank0["frame"]["code"] == "loss = model(batch).sum()"
+    assert rank1["frame"]["function"] == "stall"
+
+
+def test_fsdp2_backward_hang_waits_in_reduce_scatter_single(blocked):
+    s = blocked["fsdp2_backward"]
+    s.wait_ready()
+    data = verdict_of(doctor("--pid", str(s.proc.pid), *FAST, "--json"))
+    v = data["verdict"]
+    assert v["kind"] == "mismatched_collective" and v["odd_ranks"] == [1]
+    rank0 = data["ranks"][0]
+    assert (rank0["collective"], rank0["op"]) == ("reduce_scatter", "reduce_scatter_single")
+    assert rank0["frame"]["code"] == "loss.backward()"
+
+
+def test_a_healthy_allreduce_loop_is_never_called_a_hang(busy):
+    """Ranks that all-reduce step after step sit in the all_reduce in almost every snapshot;
+    across the default samples they are seen to move, run after run."""
+    s = busy("allreduce_loop")
+    s.wait_ready()
+    for _ in range(4):
+        data = verdict_of(doctor("--pid", str(s.proc.pid), "--json"))
+        v = data["verdict"]
+        assert v["kind"] in ("no_hang", "progressing"), v
+        assert not v["hang"] and v["confidence"] == "high"
+        assert data["samples"] == 3
+    # One snapshot mostly finds the ranks inside all_reduce: it says how little that proves.
+    snapshot = verdict_of(doctor("--pid", str(s.proc.pid), "--samples", "1", "--json"))
+    assert snapshot["verdict"]["confidence"] == "low"
+
+
+def test_a_still_rank_is_not_dumped_again(blocked):
+    """A rank none of whose Python threads ran since the last sample keeps its dump."""
+    s = blocked["queue_block"]
+    s.wait_ready()
+    pids = s.rank_pids()
+    pyspy = stacks.require_pyspy()
+    first = stacks.dump_many(pids, pyspy=pyspy)
+    again = stacks.dump_many(pids, pyspy=pyspy, previous=first)
+    assert all(d.ok and not d.reused for d in first.values())
+    assert all(d.reused for d in again.values())
+    assert all(set(d.ran.values()) == {0} for d in again.values())
+
+
+def start_exiting(tmp: Path, exit_ranks: str) -> list[subprocess.Popen]:
+    """Two plain rank processes of exit_on_dump.py; `exit_ranks` exit once dumped."""
+    workdir = tmp / "exiting"
+    workdir.mkdir()
+    ps = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "SCENARIO_DIR": str(workdir),
+            "SCENARIO_LIFETIME": "60",
+            "EXIT_RANKS": exit_ranks,
+        }
+        argv = [sys.executable, str(SCENARIOS / "exit_on_dump.py")]
+        ps.append(procs.spawn(argv, env=env, stdout=subprocess.DEVNULL))
+    marks = [workdir / f"ready-{r}" for r in (0, 1)]
+    marks += [workdir / f"armed-{r}" for r in map(int, exit_ranks.split(","))]
+    assert procs.wait_until(lambda: all(f.exists() for f in marks), 30)
+    return ps
+
+
+def test_targets_that_exit_during_the_dump_are_named_not_a_traceback(tmp_path):
+    ps = start_exiting(tmp_path, "0,1")
+    try:
+        res = doctor(*[a for p in ps for a in ("--pid", str(p.pid))], "--json")
+        assert res.returncode == 2, res.stdout + res.stderr
+        assert "exited during the dump" in res.stderr
+        assert str(ps[0].pid) in res.stderr
+        assert "Traceback" not in res.stderr and "NoSuchProcess" not in res.stderr
+    finally:
+        for p in ps:
+            p.kill()
+            p.wait()
+
+
+def test_a_rank_that_exits_during_the_dump_is_the_missing_rank(tmp_path):
+    ps = start_exiting(tmp_path, "1")
+    try:
+        data = verdict_of(doctor("--pid", str(ps[0].pid), "--pid", str(ps[1].pid), "--json"))
+        assert data["verdict"]["kind"] == "missing_rank"
+        assert data["verdict"]["missing_ranks"] == [1]
+        assert data["ranks"][1]["error"] == "the process exited during the dump"
+        assert data["ranks"][0]["frame"]["function"] == "next_batch"
+    finally:
+        for p in ps:
+            p.kill()
+            p.wait()
 
 
 # --------------------------------------------------------------------------- targets and output
@@ -306,7 +428,7 @@ def test_job_record_target_and_out_bundle(blocked, tmp_path):
     jobs.write(home, rec)
     out = tmp_path / "bundle"
     data = verdict_of(
-        doctor("--job", "doctor/t0", "--home", str(home), "--json", "--out", str(out))
+        doctor("--job", "doctor/t0", "--home", str(home), *FAST, "--json", "--out", str(out))
     )
     assert data["verdict"]["kind"] == "mismatched_collective"
     assert data["job"]["name"] == "doctor/t0"
@@ -320,18 +442,45 @@ def test_job_record_target_and_out_bundle(blocked, tmp_path):
 def test_rich_tree_output_names_the_user_frame(blocked):
     s = blocked["skip_allreduce"]
     s.wait_ready()
-    res = doctor("--pid", str(s.proc.pid))
+    res = doctor("--pid", str(s.proc.pid), *FAST)
     assert res.returncode == 0, res.stderr
     assert "verdict: mismatched_collective" in res.stdout
     assert "skip_allreduce.py:21" in res.stdout and "your code" in res.stdout
     assert "odd ranks: 1" in res.stdout
 
 
+RECORD = """
+import atexit, json, os, sys
+atexit.register(lambda: json.dump(sorted(sys.modules), open(os.environ["MODULES_OUT"], "w")))
+sys.argv = ["areal", *sys.argv[1:]]
+from areal_cli.cli import main
+main()
+"""
+
+
+def test_json_output_imports_neither_torch_nor_rich(blocked, tmp_path):
+    """The doctor reads stacks from outside: it never pays for torch, nor rich for --json."""
+    s = blocked["queue_block"]
+    s.wait_ready()
+    modules = tmp_path / "modules.json"
+    res = subprocess.run(
+        [sys.executable, "-c", RECORD, "doctor", "hang", "--pid", str(s.proc.pid), *FAST, "--json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "MODULES_OUT": str(modules)},
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["verdict"]["kind"] == "blocked_outside_collective"
+    roots = {m.split(".")[0] for m in json.loads(modules.read_text())}
+    assert not roots & {"torch", "rich", "concurrent"}, sorted(roots & {"torch", "rich"})
+
+
 def test_rank_pids_directly(blocked):
     s = blocked["skip_allreduce"]
     s.wait_ready()
     args = [a for p in s.rank_pids() for a in ("--pid", str(p))]
-    data = verdict_of(doctor(*args, "--json"))
+    data = verdict_of(doctor(*args, *FAST, "--json"))
     assert data["verdict"]["kind"] == "mismatched_collective"
 
 

@@ -7,6 +7,7 @@ torch frames a gloo job really shows, and go through the same parser the command
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -166,16 +167,20 @@ def test_straggler_stuck_versus_slow_from_samples():
     assert stuck.verdict.kind == "straggler"
     assert stuck.ranks[1].progress == "stuck"
     assert "stuck" in stuck.verdict.summary
-    # Slow: the busy rank moves through different functions.
+    assert stuck.verdict.is_hang and stuck.verdict.confidence == "high"
+    # Slow: the busy rank moves through different functions; the others wait for it, but the
+    # job moves, so it is no hang (yet).
     slow = analyze(
         samples(
             [waiting(1)] * 3,
             [spinning(2, 30, "forward"), spinning(2, 40, "backward"), spinning(2, 50, "step")],
         )
     )
-    assert slow.verdict.kind == "straggler"
+    assert slow.verdict.kind == "progressing"
+    assert not slow.verdict.is_hang
+    assert slow.verdict.odd_ranks == [1]
     assert slow.ranks[1].progress == "slow"
-    assert "slow" in slow.verdict.summary
+    assert "slow, not stuck" in slow.verdict.summary
 
 
 def test_no_hang_when_everybody_computes():
@@ -191,6 +196,79 @@ def test_no_hang_when_every_stack_moves_between_samples():
         )
     )
     assert a.verdict.kind == "no_hang"
+
+
+def ran(d: Dump, times: int) -> Dump:
+    """The same dump as a later sample, its main thread scheduled in `times` times since."""
+    return replace(d, ran={d.pid: times})
+
+
+def test_a_thread_woken_between_samples_finished_collectives_so_the_job_moves():
+    # A healthy loop of all_reduce: every sample finds the ranks at the same line of the same
+    # collective, but their threads were woken hundreds of times in between.
+    healthy = analyze(
+        samples(
+            [waiting(1), ran(waiting(1), 700), ran(waiting(1), 650)],
+            [waiting(2), ran(waiting(2), 720), ran(waiting(2), 690)],
+        )
+    )
+    assert healthy.verdict.kind == "no_hang"
+    assert healthy.verdict.confidence == "high"
+    assert [r.wakeups for r in healthy.ranks] == [1350, 1410]
+    assert {r.progress for r in healthy.ranks} == {"moving"}
+
+
+def test_nothing_moved_across_samples_is_a_hang_with_high_confidence():
+    hung = analyze(
+        samples(
+            [waiting(1), ran(waiting(1), 0), ran(waiting(1), 0)],
+            [idle_on_queue(2), ran(idle_on_queue(2), 0), ran(idle_on_queue(2), 0)],
+        )
+    )
+    v = hung.verdict
+    assert v.kind == "mismatched_collective" and v.is_hang
+    assert v.confidence == "high"
+    assert "nothing moved across 3 samples" in v.certainty
+    assert "2 of the ranks' threads did not run at all" in v.certainty
+    assert v.to_json()["hang"] is True
+
+
+def test_a_lone_wake_up_or_a_polling_sleeper_is_not_progress():
+    # One wake-up can be a signal; an idle thread woken by its own timeout polls in place.
+    a = analyze(
+        samples(
+            [waiting(1), ran(waiting(1), 1)],
+            [idle_on_queue(2), ran(idle_on_queue(2), 50)],
+        )
+    )
+    assert a.verdict.kind == "mismatched_collective"
+    assert {r.progress for r in a.ranks} == {"still"}
+
+
+def test_one_sample_is_a_snapshot_with_low_confidence():
+    v = analyze(one(waiting(1), waiting(2))).verdict
+    assert v.kind == "collective_stuck" and v.confidence == "low"
+    assert "one sample" in v.certainty and "--samples" in v.certainty
+
+
+def test_some_ranks_move_while_others_wait_is_progressing():
+    a = analyze(
+        samples(
+            [waiting(1), ran(waiting(1), 0)],
+            [idle_on_queue(2, "load", 5), ran(idle_on_queue(2, "parse", 6), 0)],
+        )
+    )
+    assert a.verdict.kind == "progressing"
+    assert a.verdict.odd_ranks == [1]  # rank 0 waits in a collective for rank 1, which moves
+    assert a.verdict.confidence == "high"
+
+
+def test_a_rank_that_exits_between_samples_is_missing_and_says_so():
+    gone = Dump(pid=9, error="the process exited", error_kind="gone")
+    a = analyze(samples([waiting(8), ran(waiting(8), 0)], [waiting(9), gone]))
+    assert a.verdict.kind == "missing_rank"
+    assert a.ranks[1].error == "the process exited during the dump"
+    assert a.verdict.confidence == "high"
 
 
 def test_collective_stuck_when_all_wait_in_the_same_collective():
@@ -299,6 +377,9 @@ def test_a_collective_in_another_thread_is_found_when_main_is_not_in_one():
         ("monitored_barrier", "barrier"),
         ("new_group", "new_group"),
         ("all_to_all_single", "all_to_all"),
+        # What FSDP2 waits in on torch 2.13.
+        ("all_gather_single", "all_gather"),
+        ("reduce_scatter_single", "reduce_scatter"),
     ],
 )
 def test_collective_names_are_normalized(name, expected):
@@ -309,6 +390,41 @@ def test_collective_names_are_normalized(name, expected):
     assert find_collective(frames)[0] == expected
 
 
+def test_functional_collectives_and_their_wait_are_collectives():
+    funcol = f"{SITE}/torch/distributed/_functional_collectives.py"
+    frames = (
+        Frame("wait_tensor", funcol, 140, "torch/distributed/_functional_collectives.py"),
+        Frame("AsyncCollectiveTensor.wait", funcol, 700),
+        Frame("train_step", USER, 12, "train.py"),
+    )
+    assert find_collective(frames) == ("work.wait", "wait_tensor")
+    gather = (Frame("all_gather_tensor", funcol, 200), Frame("step", USER, 3))
+    assert find_collective(gather) == ("all_gather", "all_gather_tensor")
+    # The same names outside torch.distributed's API modules are nobody's collective.
+    other = (Frame("all_reduce", "/home/me/mylib/comm.py", 5), Frame("step", USER, 3))
+    assert find_collective(other) is None
+
+
+def test_an_fsdp2_forward_hang_waits_in_all_gather_single():
+    fsdp = f"{SITE}/torch/distributed/fsdp/_fully_shard"
+    stack = dump(
+        1,
+        c10d("all_gather_single", 4394)
+        + [
+            fr("DefaultAllGather.__call__", f"{fsdp}/_fsdp_collectives.py", 119),
+            fr("foreach_all_gather", f"{fsdp}/_fsdp_collectives.py", 364),
+            fr("FSDPParamGroup.unshard", f"{fsdp}/_fsdp_param_group.py", 407),
+            fr("FSDPParamGroup.pre_forward", f"{fsdp}/_fsdp_param_group.py", 551),
+            fr("Module._call_impl", f"{SITE}/torch/nn/modules/module.py", 1884),
+        ]
+        + user("train_step", 24),
+    )
+    a = analyze(one(stack, idle_on_queue(2, "stall", 10)))
+    assert a.ranks[0].collective == "all_gather"
+    assert a.ranks[0].op == "all_gather_single"
+    assert a.verdict.kind == "mismatched_collective"
+
+
 def test_to_json_has_the_documented_shape():
     a = analyze(one(waiting(100), idle_on_queue(101)))
     data = a.to_json()
@@ -316,5 +432,14 @@ def test_to_json_has_the_documented_shape():
         assert {"rank", "pid", "state", "collective", "frame"} <= set(r)
     for g in data["groups"]:
         assert {"ranks", "collective", "frame"} <= set(g)
-    assert {"kind", "odd_ranks", "missing_ranks", "summary"} <= set(data["verdict"])
+    assert {
+        "kind",
+        "hang",
+        "confidence",
+        "certainty",
+        "odd_ranks",
+        "missing_ranks",
+        "summary",
+    } <= set(data["verdict"])
+    assert {"progress", "wakeups"} <= set(data["ranks"][0])
     assert data["ranks"][0]["frame"]["line"] == 10

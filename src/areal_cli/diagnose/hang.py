@@ -1,5 +1,11 @@
-"""`areal doctor hang`, the library half: check we may attach, dump every rank of every job at
-once (several rounds with --samples), classify, and keep the raw dumps for a bug report."""
+"""`areal doctor hang`, the library half: check we may attach, dump every rank of every job
+(several samples spread over about a second by default), classify, and keep the raw dumps for
+a bug report.
+
+One sample cannot tell a hang from a healthy job caught inside a collective, so a hang is only
+called when nothing moved across the samples. Samples after the first cost little on a hung
+job: a rank none of whose Python threads ran since the last sample is not dumped again.
+"""
 
 from __future__ import annotations
 
@@ -13,13 +19,20 @@ from pathlib import Path
 from areal_cli.diagnose import permissions, stacks
 from areal_cli.diagnose.targets import Job
 from areal_cli.diagnose.verdict import Analysis, RankSamples, analyze
-from areal_cli.errors import EXIT_FAILED, ArealError
+from areal_cli.errors import EXIT_FAILED, ArealError, UsageError
+
+DEFAULT_SAMPLES = 3
+DEFAULT_INTERVAL = 0.5  # seconds from one sample's start to the next
 
 
 class AttachError(ArealError):
     """py-spy may not or could not read the ranks: exit 1, with the fix as hint."""
 
     exit_code = EXIT_FAILED
+
+
+class TargetsExited(UsageError):
+    """Every rank exited before or while it was dumped: nothing left to diagnose (exit 2)."""
 
 
 @dataclass
@@ -30,6 +43,9 @@ class HangReport:
     dumps: dict[int, list[stacks.Dump]] = field(default_factory=dict)  # pid -> one per sample
     errors: list[dict] = field(default_factory=list)
     elapsed_s: float = 0.0
+    # Seconds spent: preflight_s checking permissions, dump_s running py-spy, wait_s between
+    # samples, judge_s classifying.
+    timing: dict[str, float] = field(default_factory=dict)
 
     @property
     def failed(self) -> bool:
@@ -42,6 +58,7 @@ class HangReport:
             "samples": self.samples,
             "errors": self.errors,
             "elapsed_s": round(self.elapsed_s, 3),
+            "timing": {k: round(v, 4) for k, v in self.timing.items()},
         }
 
 
@@ -51,23 +68,29 @@ ProgressFn = Callable[[int, int, int], None]  # (sample index, dumps done, dumps
 def diagnose(
     jobs: list[Job],
     *,
-    samples: int = 1,
-    interval: float = 0.5,
+    samples: int = DEFAULT_SAMPLES,
+    interval: float = DEFAULT_INTERVAL,
     native: bool = False,
     show_locals: bool = False,
     timeout: float = stacks.DEFAULT_TIMEOUT,
     on_progress: ProgressFn | None = None,
 ) -> list[HangReport]:
-    """Dump and judge every rank of `jobs`. Raises AttachError when nothing can be read."""
+    """Dump and judge every rank of `jobs`, `samples` times, `interval` seconds apart (start to
+    start). Raises AttachError when no rank can be read, TargetsExited when all exited."""
     started = time.monotonic()
     pyspy = stacks.require_pyspy()
     pids = [r.pid for j in jobs for r in j.ranks]
     tracer = preflight(pids, pyspy)
+    preflight_s = time.monotonic() - started
 
     rounds: list[dict[int, stacks.Dump]] = []
+    dump_s = wait_s = 0.0
+    first_start = time.monotonic()
     for i in range(max(1, samples)):
-        if i:
-            time.sleep(interval)
+        pause = first_start + i * interval - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+            wait_s += pause
         done = 0
 
         def tick(_d: stacks.Dump, i: int = i) -> None:
@@ -76,59 +99,101 @@ def diagnose(
             if on_progress:
                 on_progress(i, done, len(pids))
 
+        t0 = time.monotonic()
         dumps = stacks.dump_many(
-            pids, pyspy=pyspy, native=native, show_locals=show_locals, timeout=timeout, on_done=tick
+            pids,
+            pyspy=pyspy,
+            native=native,
+            show_locals=show_locals,
+            timeout=timeout,
+            previous=rounds[-1] if rounds else None,
+            on_done=tick,
         )
-        for d in dumps.values():
-            if d.ok:
-                d.threads = stacks.with_source(d.threads)
+        dump_s += time.monotonic() - t0
         rounds.append(dumps)
+        if all(d.error_kind == "gone" for d in dumps.values()):
+            break  # nothing left to sample
 
-    reports = []
-    for job in jobs:
-        per_rank = [
-            RankSamples(rank=r.rank, pid=r.pid, dumps=[rd[r.pid] for rd in rounds])
-            for r in job.ranks
-        ]
-        analysis = analyze(
-            per_rank, expected_ranks=job.expected_local_ranks(), multi_host=job.multi_host
-        )
-        errors = [
-            {
-                "rank": r.rank,
-                "pid": r.pid,
-                "kind": r.error_kind or "failed",
-                "error": r.error,
-                "fix": permissions.explain_failure(r.error_kind or "failed", tracer),
-            }
-            for r in analysis.ranks
-            if r.state == "error"
-        ]
-        reports.append(
-            HangReport(
-                job=job,
-                analysis=analysis,
-                samples=len(rounds),
-                dumps={r.pid: [rd[r.pid] for rd in rounds] for r in job.ranks},
-                errors=errors,
-                elapsed_s=time.monotonic() - started,
-            )
-        )
+    t0 = time.monotonic()
+    reports = [_judge(job, rounds, tracer) for job in jobs]
+    judge_s = time.monotonic() - t0
+    for rep in reports:
+        rep.elapsed_s = time.monotonic() - started
+        rep.timing = {
+            "preflight_s": preflight_s,
+            "dump_s": dump_s,
+            "wait_s": wait_s,
+            "judge_s": judge_s,
+        }
     if all(rep.analysis.verdict is None for rep in reports):
-        errs = [e for rep in reports for e in rep.errors]
-        first = errs[0] if errs else {"error": "no rank could be read", "fix": None}
-        raise AttachError(
-            f"py-spy could not read any rank: {first['error']}",
-            hint=first.get("fix"),
-            detail="\n".join(f"rank {e['rank']} (pid {e['pid']}): {e['error']}" for e in errs[:8]),
-        )
+        _raise_unreadable(reports)
     return reports
+
+
+def _judge(job: Job, rounds: list[dict[int, stacks.Dump]], tracer) -> HangReport:
+    sourced: set[int] = set()
+    for rd in rounds:
+        for d in rd.values():
+            if d.ok and id(d.threads) not in sourced:  # a kept dump shares its threads
+                d.threads = stacks.with_source(d.threads)
+                sourced.add(id(d.threads))
+    per_rank = [
+        RankSamples(rank=r.rank, pid=r.pid, dumps=[rd[r.pid] for rd in rounds]) for r in job.ranks
+    ]
+    analysis = analyze(
+        per_rank, expected_ranks=job.expected_local_ranks(), multi_host=job.multi_host
+    )
+    errors = [
+        {
+            "rank": r.rank,
+            "pid": r.pid,
+            "kind": r.error_kind or "failed",
+            "error": r.error,
+            "fix": permissions.explain_failure(r.error_kind or "failed", tracer),
+        }
+        for r in analysis.ranks
+        if r.state == "error"
+    ]
+    return HangReport(
+        job=job,
+        analysis=analysis,
+        samples=len(rounds),
+        dumps={r.pid: [rd[r.pid] for rd in rounds] for r in job.ranks},
+        errors=errors,
+    )
+
+
+def _raise_unreadable(reports: list[HangReport]) -> None:
+    ranks = [r for rep in reports for r in rep.analysis.ranks]
+    gone = [r for r in ranks if r.state == "missing" and r.pid]
+    if gone and len(gone) == len([r for r in ranks if r.pid]):
+        during = any(r.error == "the process exited during the dump" for r in gone)
+        pids = ", ".join(str(r.pid) for r in gone[:8]) + (" ..." if len(gone) > 8 else "")
+        raise TargetsExited(
+            f"the process{'es' if len(gone) > 1 else ''} exited "
+            f"{'during the dump' if during else 'before it could be dumped'} (pid {pids}): "
+            "nothing is left to diagnose",
+            hint="the job ended or restarted: its launcher's log (or `areal logs E/T`) says how",
+        )
+    errs = [e for rep in reports for e in rep.errors]
+    first = errs[0] if errs else {"error": "no rank could be read", "fix": None}
+    raise AttachError(
+        f"py-spy could not read any rank: {first['error']}",
+        hint=first.get("fix"),
+        detail="\n".join(f"rank {e['rank']} (pid {e['pid']}): {e['error']}" for e in errs[:8]),
+    )
 
 
 def preflight(pids: list[int], pyspy: str) -> permissions.TracerInfo:
     """Raise AttachError with the exact fix when the kernel or py-spy will refuse."""
     tracer = permissions.tracer_info(stacks.pyspy_version(pyspy))
-    targets = [permissions.target_info(p, need_ancestry=tracer.ptrace_scope == 1) for p in pids]
+    old_pyspy = bool(
+        tracer.pyspy_version and permissions.pyspy_max_python(tracer.pyspy_version) is not None
+    )
+    targets = [
+        permissions.target_info(p, need_ancestry=tracer.ptrace_scope == 1, need_python=old_pyspy)
+        for p in pids
+    ]
     found = permissions.problems(tracer, targets)
     if found:
         first = found[0]
@@ -162,7 +227,8 @@ def to_json(reports: list[HangReport]) -> dict:
 
 
 def write_bundle(reports: list[HangReport], out_dir: str | Path) -> list[Path]:
-    """Raw py-spy output per rank and sample plus summary.json, ready to attach to an issue."""
+    """Raw py-spy output per rank and sample taken plus summary.json, ready to attach to an
+    issue."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -170,8 +236,10 @@ def write_bundle(reports: list[HangReport], out_dir: str | Path) -> list[Path]:
         sub = out if len(reports) == 1 else out / f"job{n}"
         sub.mkdir(parents=True, exist_ok=True)
         rank_of = {r.pid: r.rank for r in rep.job.ranks}
-        for pid, dumps in rep.dumps.items():
-            for i, d in enumerate(dumps):
+        for pid, all_dumps in rep.dumps.items():
+            # A kept dump (the rank did not run since) is the one before it: written once.
+            dumps = [(i, d) for i, d in enumerate(all_dumps) if not d.reused]
+            for i, d in dumps:
                 suffix = f"-sample{i}" if len(dumps) > 1 else ""
                 path = sub / f"rank{rank_of.get(pid)}-pid{pid}{suffix}.json"
                 if d.ok:

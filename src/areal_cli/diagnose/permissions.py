@@ -199,7 +199,9 @@ def tracer_info(pyspy_version: tuple[int, ...] | None) -> TracerInfo:
     )
 
 
-def target_info(pid: int, need_ancestry: bool = True) -> TargetInfo:
+def target_info(pid: int, need_ancestry: bool = True, need_python: bool = True) -> TargetInfo:
+    """What the kernel and py-spy will look at; the slower facts only when a check needs them
+    (ancestry under ptrace_scope 1, the Python version for a py-spy older than it)."""
     status = Path(f"/proc/{pid}/status")
     try:
         text = status.read_text()
@@ -209,7 +211,7 @@ def target_info(pid: int, need_ancestry: bool = True) -> TargetInfo:
         pid=pid,
         uid=_uid(text),
         cap_permitted=_caps(text, "CapPrm"),
-        python=python_version_of(pid),
+        python=python_version_of(pid) if need_python else None,
         is_descendant=_is_descendant(pid) if need_ancestry else False,
     )
 
@@ -281,10 +283,15 @@ def _uid(status: str) -> int | None:
 
 def _is_descendant(pid: int) -> bool:
     me = os.getpid()
-    try:
-        import psutil
-
-        p = psutil.Process(pid)
-        return any(a.pid == me for a in p.parents())
-    except Exception:
-        return False
+    seen = set()
+    while pid > 1 and pid not in seen:
+        seen.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                text = f.read()
+            pid = int(text[text.rindex(b")") + 2 :].split()[1])  # the parent's pid
+        except (OSError, ValueError, IndexError):
+            return False
+        if pid == me:
+            return True
+    return False

@@ -1,9 +1,15 @@
 """Python stacks of live processes, taken with `py-spy dump --json`, one py-spy per process,
-all processes at once.
+as many at once as this machine has CPUs for.
 
 py-spy pauses a process for a few milliseconds, reads its interpreter state from outside and
 lets it go: nothing has to be installed in the target, which is the whole point for a job that
 is already hung.
+
+Beside each dump the kernel's scheduler counters of every Python thread are kept
+(/proc/PID/task/TID/schedstat: CPU time and how often the thread was scheduled in). Between two
+samples they say, without attaching, whether a thread ran at all: a thread that did not run
+cannot have moved, so its last dump still holds and is not taken again; a thread blocked in a
+collective that was woken again and again has been finishing collectives.
 """
 
 from __future__ import annotations
@@ -13,15 +19,20 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from areal_cli.errors import UsageError
 
 DEFAULT_TIMEOUT = 10.0
+# How often one py-spy dump itself gets a thread scheduled in (the ptrace stop and the resume):
+# 2 in most dumps, 1 or 3 in some. More than this between samples is the thread's own doing.
+DUMP_RUNS = 3
+
+Counters = dict[int, tuple[int, int]]  # thread id -> (CPU ns, times scheduled in)
 
 
 @dataclass(frozen=True)
@@ -81,6 +92,13 @@ class Dump:
     error_kind: str | None = None
     taken_at: float = 0.0
     elapsed_s: float = 0.0
+    # Scheduler counters of each Python thread once py-spy had let go of it.
+    counters: Counters = field(default_factory=dict)
+    # Times each thread was scheduled in since the previous sample, not counting the dumps;
+    # None on the first sample or where unknown.
+    ran: dict[int, int] | None = None
+    # No Python thread ran since the previous sample, so that sample's stacks were kept.
+    reused: bool = False
 
     @property
     def ok(self) -> bool:
@@ -176,11 +194,14 @@ def dump(
         return Dump(pid, error=f"cannot run py-spy: {e}", error_kind="failed", taken_at=taken_at)
     elapsed = time.monotonic() - start
     if res.returncode != 0 or not res.stdout.strip():
+        kind = classify_error(res.stderr, pid)
         message = _first_error_line(res.stderr) or f"py-spy exited with {res.returncode}"
+        if kind == "gone":
+            message = "the process exited while it was being dumped"
         return Dump(
             pid,
             error=message,
-            error_kind=classify_error(res.stderr, pid),
+            error_kind=kind,
             taken_at=taken_at,
             elapsed_s=elapsed,
         )
@@ -205,29 +226,142 @@ def dump_many(
     native: bool = False,
     show_locals: bool = False,
     timeout: float = DEFAULT_TIMEOUT,
+    previous: dict[int, Dump] | None = None,
+    workers: int | None = None,
     on_done: Callable[[Dump], None] | None = None,
 ) -> dict[int, Dump]:
-    """Dump every pid at once: a hung job is frozen, so all snapshots describe the same moment."""
+    """Dump every pid, `workers` py-spy processes at a time (default: one per usable CPU).
+
+    py-spy is CPU-bound (it parses the interpreter's symbols and reads the target's memory):
+    more py-spy processes than CPUs only queue up and thrash. With `previous` (the last
+    sample), a process none of whose Python threads ran since is not dumped again.
+    """
     pids = list(dict.fromkeys(pids))
     if not pids:
         return {}
     out: dict[int, Dump] = {}
-    # py-spy mostly waits on the kernel (ptrace stops, process_vm_readv): more workers than
-    # cores still pays off, but hundreds of simultaneous ptrace stops do not.
-    workers = min(len(pids), 64)
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="py-spy") as pool:
-        futures = {
-            pool.submit(
-                dump, pid, pyspy=pyspy, native=native, show_locals=show_locals, timeout=timeout
-            ): pid
-            for pid in pids
-        }
-        for fut in as_completed(futures):
-            d = fut.result()
-            out[d.pid] = d
-            if on_done is not None:
-                on_done(d)
+    todo = iter(pids)
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                pid = next(todo, None)
+            if pid is None:
+                return
+            d = _sample(
+                pid,
+                previous.get(pid) if previous else None,
+                pyspy=pyspy,
+                native=native,
+                show_locals=show_locals,
+                timeout=timeout,
+            )
+            with lock:
+                out[pid] = d
+                if on_done is not None:
+                    on_done(d)
+
+    n = max(1, min(len(pids), workers or default_workers()))
+    threads = [threading.Thread(target=work, name=f"py-spy-{i}") for i in range(n - 1)]
+    for t in threads:
+        t.start()
+    work()  # this thread is a worker too
+    for t in threads:
+        t.join()
     return {pid: out[pid] for pid in pids}
+
+
+def _sample(
+    pid: int,
+    prev: Dump | None,
+    *,
+    pyspy: str,
+    native: bool,
+    show_locals: bool,
+    timeout: float,
+) -> Dump:
+    """This sample of one process: its previous dump again when none of its Python threads
+    ran since, else a fresh dump; with what each thread did in between."""
+    ran = None
+    if prev is not None and prev.ok and prev.counters:
+        now = read_counters(pid, prev.counters)
+        if not _pid_exists(pid):  # a zombie keeps its last counters: check before reusing
+            return Dump(pid, error="the process exited", error_kind="gone", taken_at=time.time())
+        ran = {
+            tid: max(0, now[tid][1] - runs)
+            for tid, (_, runs) in prev.counters.items()
+            if tid in now
+        }
+        if len(now) == len(prev.counters) and now == prev.counters:
+            return replace(prev, ran=ran, reused=True, taken_at=time.time(), elapsed_s=0.0)
+    d = dump(pid, pyspy=pyspy, native=native, show_locals=show_locals, timeout=timeout)
+    if d.ok:
+        d.counters = settled_counters(pid, d.threads)
+        d.ran = ran
+    return d
+
+
+def default_workers() -> int:
+    """CPUs this process may use: its affinity mask, capped by a cgroup CPU quota."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, n)
+
+
+# --------------------------------------------------------------------------- scheduler counters
+
+
+def read_counters(pid: int, tids: Iterable[int]) -> Counters:
+    """(CPU ns, times scheduled in) of each thread that still exists."""
+    out: Counters = {}
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                fields = f.read().split()
+            out[tid] = (int(fields[0]), int(fields[2]))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def settled_counters(pid: int, threads: list[ThreadStack], wait_s: float = 0.02) -> Counters:
+    """The counters once the threads py-spy saw asleep are asleep again.
+
+    Released by py-spy, a sleeping thread is scheduled in once more to resume its wait; read
+    before that, the resume would later look like the thread's own activity.
+    """
+    tids = [t.os_thread_id for t in threads if t.os_thread_id]
+    sleepers = [t.os_thread_id for t in threads if t.os_thread_id and not t.active]
+    deadline = time.monotonic() + wait_s
+    while True:
+        before = read_counters(pid, tids)
+        if all(_thread_state(pid, tid) in ("S", "D", "I", "") for tid in sleepers):
+            after = read_counters(pid, tids)
+            if after == before or time.monotonic() > deadline:
+                return after
+        elif time.monotonic() > deadline:
+            return before
+        time.sleep(0.001)
+
+
+def _thread_state(pid: int, tid: int) -> str:
+    """The kernel's one-letter state of a thread (S sleeping, R running, t traced); "" if gone."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+            text = f.read()
+        end = text.rindex(b")")
+        return text[end + 2 : end + 3].decode()
+    except (OSError, ValueError):
+        return ""
 
 
 def classify_error(stderr: str, pid: int) -> str:
@@ -262,13 +396,14 @@ def _first_error_line(stderr: str) -> str:
 
 
 def _pid_exists(pid: int) -> bool:
+    """Alive and not a zombie (an exited process its parent has not reaped yet)."""
     try:
-        import psutil
-
-        p = psutil.Process(pid)
-        return p.status() != psutil.STATUS_ZOMBIE
-    except Exception:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except OSError:
         return False
+    end = text.rfind(b")")
+    return text[end + 2 : end + 3] not in (b"Z", b"X")
 
 
 # --------------------------------------------------------------------------- parsing

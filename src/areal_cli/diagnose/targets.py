@@ -1,8 +1,13 @@
 """Which processes are the ranks of a job: from pids (a launcher expands to its workers), from
-a job record, or every torchrun/areal job of this user on this host.
+a job record, or every torchrun/areal job of this user on this host. `resolve` is the one way
+in; another source of ranks (a rank table in the registry) plugs in there.
 
 A rank is the topmost Python process carrying `RANK` in its environment: torchrun's workers.
 Their own children (DataLoader workers, compile workers) inherit `RANK` and are skipped.
+
+Each process is read once (status, parent, environment): a job of 64 ranks is found in
+milliseconds, and a process that exits meanwhile is skipped, or named as gone, never a
+traceback.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from areal_cli import jobs, procs, settings
+from areal_cli import procs, settings
 from areal_cli.errors import UsageError
 
 RANK_ENV = (
@@ -99,20 +104,27 @@ def resolve(
     pids: list[int] | None = None, job: str | None = None, home: str | Path | None = None
 ) -> list[Job]:
     """Turn what the user named into jobs with their rank processes; UsageError (exit 2) when
-    a target does not exist, is not Python, or holds no ranks."""
-    if job:
-        return [_from_job(job, home)]
-    if pids:
-        return _from_pids(pids)
-    return _discover()
+    a target does not exist (or exits while being read), is not Python, or holds no ranks."""
+    try:
+        if job:
+            return [_from_job(job, home)]
+        if pids:
+            return _from_pids(pids)
+        return _discover()
+    except psutil.NoSuchProcess as e:
+        raise UsageError(
+            f"pid {e.pid} exited while its ranks were being found",
+            hint="the job is ending or restarting: `areal ps` or its launcher's log says which",
+        ) from None
 
 
 def _from_pids(pids: list[int]) -> list[Job]:
+    tree = _Tree()
     groups: dict[tuple, Job] = {}
     for pid in dict.fromkeys(pids):
         proc = _process(pid)
         if is_launcher(proc):
-            ranks = _ranks_under([proc])
+            ranks = tree.ranks_under(pid)
             if not ranks:
                 raise UsageError(
                     f"pid {pid} ({_describe(proc)}) is a launcher without live worker processes",
@@ -122,7 +134,7 @@ def _from_pids(pids: list[int]) -> list[Job]:
             key = ("launcher", pid)
             groups[key] = Job(label=launcher_label(proc), ranks=ranks, launcher_pid=pid)
             continue
-        ranks = _ranks_under([proc])
+        ranks = tree.ranks_under(pid)
         if ranks and ranks[0].pid != pid:
             # A parent of ranks that is not a known launcher (a custom spawner): take its ranks.
             key = ("parent", pid)
@@ -135,7 +147,7 @@ def _from_pids(pids: list[int]) -> list[Job]:
             )
         rank = ranks[0] if ranks else _rank_proc(proc)
         if rank is None:
-            raise UsageError(f"no process with pid {pid}", hint="it exited while being read")
+            raise UsageError(f"pid {pid} exited while being read", hint="nothing left to dump")
         key = ("env", *rank.job_key()) if any(rank.job_key()) else ("pids",)
         if key not in groups:
             groups[key] = Job(label="", ranks=[])
@@ -151,17 +163,16 @@ def _from_pids(pids: list[int]) -> list[Job]:
 
 
 def _from_job(name: str, home: str | Path | None) -> Job:
+    from areal_cli import jobs
+
     experiment, trial = jobs.parse_name(name)
     record = jobs.load(settings.home(home), experiment, trial)
+    tree = _Tree()
     roots = [p for p in record.pids if procs.pid_alive(p)]
-    candidates = procs.tree(roots)
+    candidates = {pid for root in roots for pid in tree.descendants(root)}
     if record.marker:
-        seen = {p.pid for p in candidates}
-        for p in procs.find_marked(record.marker):
-            if p.pid not in seen:
-                candidates.append(p)
-                seen.add(p.pid)
-    ranks = _topmost_ranks(candidates)
+        candidates.update(p.pid for p in procs.find_marked(record.marker))
+    ranks = tree.topmost_ranks(candidates)
     if not ranks:
         raise UsageError(
             f"job {record.name} has no live rank processes on this host (state: {record.state})",
@@ -178,12 +189,12 @@ def _from_job(name: str, home: str | Path | None) -> Job:
 def _discover() -> list[Job]:
     """Every torchrun/areal job of this user on this host, plus orphaned ranks whose launcher
     died (grouped by their rendezvous address)."""
-    me = os.getpid()
-    mine = {me} | {p.pid for p in _parents(me)}
+    tree = _Tree(["uids", "cmdline", "name", "exe"])
+    mine = {os.getpid(), *tree.ancestors(os.getpid())}
     uid = os.getuid()
     launchers: list[psutil.Process] = []
     pythons: list[psutil.Process] = []
-    for p in psutil.process_iter(["pid", "uids", "cmdline", "name", "exe"]):
+    for p in tree.procs.values():
         try:
             if p.pid in mine or (p.info["uids"] and p.info["uids"].real != uid):
                 continue
@@ -194,26 +205,23 @@ def _discover() -> list[Job]:
         except psutil.Error:
             continue
     launcher_pids = {p.pid for p in launchers}
-    top = [p for p in launchers if not any(a.pid in launcher_pids for a in _parents(p.pid))]
+    top = [p for p in launchers if not launcher_pids.intersection(tree.ancestors(p.pid))]
     found: list[Job] = []
     claimed: set[int] = set()
     for p in sorted(top, key=lambda q: q.pid):
-        ranks = _ranks_under([p])
+        ranks = tree.ranks_under(p.pid)
         if ranks:
             found.append(Job(label=launcher_label(p), ranks=_number(ranks), launcher_pid=p.pid))
             claimed.update(r.pid for r in ranks)
+    loose = {
+        p.pid
+        for p in pythons
+        if p.pid not in claimed and not launcher_pids.intersection(tree.ancestors(p.pid))
+    }
     orphans: dict[tuple, list[RankProc]] = {}
-    python_pids = {q.pid for q in pythons}
-    for p in pythons:
-        if p.pid in claimed or any(a.pid in launcher_pids for a in _parents(p.pid)):
-            continue
-        r = _rank_proc(p)
-        if r is None or "TORCHELASTIC_RUN_ID" not in r.env or r.rank is None:
-            continue
-        if any(a.pid in python_pids and _has_rank(a) for a in _parents(p.pid)):
-            # A DataLoader worker of an orphaned rank: its parent is the rank.
-            continue
-        orphans.setdefault(r.job_key(), []).append(r)
+    for r in tree.topmost_ranks(loose):  # topmost: a DataLoader worker's parent is the rank
+        if "TORCHELASTIC_RUN_ID" in r.env:
+            orphans.setdefault(r.job_key(), []).append(r)
     for key, ranks in orphans.items():
         found.append(
             Job(label=f"orphaned ranks (launcher gone, port {key[1]})", ranks=_number(ranks))
@@ -224,6 +232,67 @@ def _discover() -> list[Job]:
             hint="name one: areal doctor hang --pid PID (a rank or its torchrun) or --job E/T",
         )
     return found
+
+
+class _Tree:
+    """Every process on this host and its parent, read in one pass over /proc."""
+
+    def __init__(self, attrs: list[str] | None = None) -> None:
+        self.procs: dict[int, psutil.Process] = {}
+        self.parent: dict[int, int] = {}
+        self.children: dict[int, list[int]] = {}
+        for p in psutil.process_iter(["ppid", *(attrs or [])]):
+            ppid = p.info.get("ppid") or 0
+            self.procs[p.pid] = p
+            self.parent[p.pid] = ppid
+            self.children.setdefault(ppid, []).append(p.pid)
+
+    def ancestors(self, pid: int) -> list[int]:
+        out, seen = [], {pid}
+        pid = self.parent.get(pid, 0)
+        while pid and pid not in seen:
+            out.append(pid)
+            seen.add(pid)
+            pid = self.parent.get(pid, 0)
+        return out
+
+    def descendants(self, root: int) -> list[int]:
+        """The root (when it still runs) and everything under it."""
+        out, todo = [], [root] if root in self.procs else []
+        while todo:
+            pid = todo.pop()
+            out.append(pid)
+            todo.extend(self.children.get(pid, ()))
+        return out
+
+    def ranks_under(self, root: int) -> list[RankProc]:
+        return self.topmost_ranks(self.descendants(root))
+
+    def topmost_ranks(self, pids) -> list[RankProc]:
+        """The processes among `pids` that carry RANK and have no such ancestor among them."""
+        with_rank: dict[int, RankProc] = {}
+        for pid in pids:
+            p = self.procs.get(pid)
+            if p is None:
+                try:
+                    p = psutil.Process(pid)
+                except psutil.Error:
+                    continue
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE or not is_python(p):
+                    continue
+            except psutil.Error:
+                continue
+            r = _rank_proc(p)
+            if r is not None and r.rank is not None:
+                with_rank[pid] = r
+        out = [
+            r
+            for pid, r in with_rank.items()
+            # A DataLoader/compile worker of a rank inherited RANK: skip it.
+            if not any(a in with_rank for a in self.ancestors(pid))
+        ]
+        return sorted(out, key=lambda r: (r.rank if r.rank is not None else 1 << 30, r.pid))
 
 
 # --------------------------------------------------------------------------- helpers
@@ -246,17 +315,18 @@ def is_launcher(p: psutil.Process) -> bool:
 
 
 def is_python(p: psutil.Process) -> bool:
+    info = getattr(p, "info", None) or {}
     try:
-        exe = p.exe()
+        exe = info["exe"] if "exe" in info else p.exe()
     except (psutil.Error, OSError):
         exe = ""
     if exe and _PYTHON_EXE.match(os.path.basename(exe)):
         return True
     try:
-        name = p.name()
+        name = info["name"] if "name" in info else p.name()
     except psutil.Error:
         name = ""
-    if _PYTHON_EXE.match(name):
+    if _PYTHON_EXE.match(name or ""):
         return True
     try:
         with open(f"/proc/{p.pid}/maps") as f:
@@ -294,30 +364,6 @@ def _process(pid: int) -> psutil.Process:
         raise UsageError(f"pid {pid} cannot be inspected by this user") from None
 
 
-def _ranks_under(roots: list[psutil.Process]) -> list[RankProc]:
-    return _topmost_ranks(procs.tree([r.pid for r in roots]))
-
-
-def _topmost_ranks(candidates: list[psutil.Process]) -> list[RankProc]:
-    with_rank: dict[int, RankProc] = {}
-    for p in candidates:
-        try:
-            if p.status() == psutil.STATUS_ZOMBIE or not is_python(p):
-                continue
-        except psutil.Error:
-            continue
-        r = _rank_proc(p)
-        if r is not None and r.rank is not None:
-            with_rank[p.pid] = r
-    out = []
-    for pid, r in with_rank.items():
-        parents = _parents(pid)
-        if any(a.pid in with_rank for a in parents):
-            continue  # a DataLoader/compile worker of a rank: it inherited RANK
-        out.append(r)
-    return sorted(out, key=lambda r: (r.rank if r.rank is not None else 1 << 30, r.pid))
-
-
 def _rank_proc(p: psutil.Process) -> RankProc | None:
     try:
         env = p.environ()
@@ -338,13 +384,6 @@ def _rank_proc(p: psutil.Process) -> RankProc | None:
     )
 
 
-def _has_rank(p: psutil.Process) -> bool:
-    try:
-        return "RANK" in p.environ()
-    except (psutil.Error, OSError):
-        return False
-
-
 def _number(ranks: list[RankProc]) -> list[RankProc]:
     """Ranks without RANK (plain Python processes named by pid) get numbers after the others."""
     taken = {r.rank for r in ranks if r.rank is not None}
@@ -358,14 +397,10 @@ def _number(ranks: list[RankProc]) -> list[RankProc]:
     return sorted(ranks, key=lambda r: (r.rank, r.pid))
 
 
-def _parents(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).parents()
-    except psutil.Error:
-        return []
-
-
 def _cmdline(p: psutil.Process) -> list[str]:
+    info = getattr(p, "info", None)  # read already by process_iter
+    if info and "cmdline" in info:
+        return info["cmdline"] or []
     try:
         return p.cmdline()
     except (psutil.Error, OSError):
@@ -374,7 +409,10 @@ def _cmdline(p: psutil.Process) -> list[str]:
 
 def _describe(p: psutil.Process) -> str:
     cmd = _cmdline(p)
-    text = " ".join(cmd) if cmd else p.name()
+    try:
+        text = " ".join(cmd) if cmd else p.name()
+    except psutil.Error:
+        text = "exited"
     return text if len(text) <= 60 else text[:57] + "..."
 
 

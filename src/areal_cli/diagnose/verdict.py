@@ -3,23 +3,33 @@
 Per rank, the thread of interest is the main thread (or, when only another thread sits in a
 collective, that one). Its state is one of
 
-    collective  blocked in a torch.distributed call (all_reduce, barrier, init_process_group, ...)
+    collective  blocked in a torch.distributed call (all_reduce, all_gather_single, barrier,
+                init_process_group, ...: the names come from torch, see collectives.py)
     busy        on CPU (py-spy reports the thread active) outside a collective
     idle        blocked elsewhere (queue, lock, sleep, data loader)
     missing     the process is gone
     error       py-spy could not read it
 
-Ranks whose stacks are identical form a group. Verdicts, first match wins:
+With several samples a rank has moved when its stack changed, or when its thread waits in a
+collective but was woken again and again in between (it finished collectives and came back to
+the same line: a healthy loop of all_reduce). A busy rank that keeps the same call chain is
+stuck; one that calls other functions is slow.
 
-    no_hang                    with several samples, every rank's stack moved
+A hang is only called when nothing moved. Verdicts, first match wins:
+
     missing_rank               WORLD_SIZE says N, a rank's process is gone, the rest wait
-    straggler                  some ranks compute while others wait in a collective
+    no_hang                    with several samples, every rank moved
+    progressing                with several samples, some ranks moved while others waited
+    straggler                  some ranks compute (stuck in one loop) while others wait
     collective_type_mismatch   ranks wait in different collectives
     mismatched_collective      some ranks wait in a collective, others idle elsewhere
     collective_stuck           every rank waits in the same collective (transport, or ranks on
                                other hosts)
     blocked_outside_collective nobody is in a collective, everybody is blocked
     no_hang                    nothing waits (everybody computes)
+
+Each verdict says how sure it is (`confidence`, `certainty`): one sample is a snapshot; several
+samples in which nothing moved are evidence over that window, not beyond it.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
+from areal_cli.diagnose import collectives
 from areal_cli.diagnose.stacks import Dump, Frame, ThreadStack
 
 KINDS = (
@@ -37,69 +48,14 @@ KINDS = (
     "blocked_outside_collective",
     "straggler",
     "collective_stuck",
+    "progressing",
     "no_hang",
 )
+HANGS = frozenset(KINDS) - {"progressing", "no_hang"}
 
-# torch.distributed entry points -> the collective they block in.
-COLLECTIVES: dict[str, str] = {
-    **dict.fromkeys(
-        ["all_reduce", "all_reduce_coalesced", "all_reduce_multigpu"],
-        "all_reduce",
-    ),
-    **dict.fromkeys(
-        [
-            "all_gather",
-            "all_gather_into_tensor",
-            "_all_gather_base",
-            "all_gather_object",
-            "all_gather_coalesced",
-            "all_gather_multigpu",
-        ],
-        "all_gather",
-    ),
-    **dict.fromkeys(
-        [
-            "reduce_scatter",
-            "reduce_scatter_tensor",
-            "_reduce_scatter_base",
-            "reduce_scatter_multigpu",
-        ],
-        "reduce_scatter",
-    ),
-    **dict.fromkeys(
-        ["broadcast", "broadcast_object_list", "broadcast_multigpu", "_broadcast_coalesced"],
-        "broadcast",
-    ),
-    **dict.fromkeys(["barrier", "monitored_barrier"], "barrier"),
-    **dict.fromkeys(
-        [
-            "send",
-            "recv",
-            "isend",
-            "irecv",
-            "batch_isend_irecv",
-            "send_object_list",
-            "recv_object_list",
-        ],
-        "send/recv",
-    ),
-    "reduce": "reduce",
-    **dict.fromkeys(["gather", "gather_object"], "gather"),
-    **dict.fromkeys(["scatter", "scatter_object_list"], "scatter"),
-    **dict.fromkeys(["all_to_all", "all_to_all_single"], "all_to_all"),
-    "init_process_group": "init_process_group",
-    **dict.fromkeys(
-        [
-            "new_group",
-            "new_subgroups",
-            "new_subgroups_by_enumeration",
-            "_new_group_with_tag",
-            "split_group",
-            "init_device_mesh",
-        ],
-        "new_group",
-    ),
-}
+# A thread waiting in a collective that was scheduled in this often between samples (beyond
+# what the dumps themselves cause) has been finishing collectives: one wake-up per completion.
+WOKEN = 2
 
 # C++ names seen with --native, matched when no Python-level frame names the collective.
 _NATIVE = [
@@ -112,7 +68,7 @@ _NATIVE = [
     (re.compile(r"::(send|recv)\b", re.I), "send/recv"),
     (re.compile(r"Work::wait|wait_tensor"), "work.wait"),
 ]
-_NATIVE_SCOPE = re.compile(r"c10d::|gloo::|nccl", re.I)
+_NATIVE_SCOPE = re.compile(r"c10d::|c10d_functional|gloo::|nccl", re.I)
 _CUDA_SYNC = re.compile(r"cu(da)?(Stream|Device|Event|Ctx)Synchronize")
 _WAIT_CALL = re.compile(r"\.wait\(\s*\)|\bwait_tensor\(")
 _LIBRARY = re.compile(
@@ -141,8 +97,15 @@ class RankResult:
     thread: str | None = None
     stack: tuple[Frame, ...] = ()  # innermost first
     progress: str | None = None  # with several samples: "moving" | "still"; busy: "slow"/"stuck"
+    # Times the thread was scheduled in between the first and the last sample, the dumps'
+    # own doing not counted (None: one sample, or not known).
+    wakeups: int | None = None
     error: str | None = None
     error_kind: str | None = None
+
+    @property
+    def moved(self) -> bool:
+        return self.progress in ("moving", "slow")
 
     def to_json(self) -> dict:
         return {
@@ -154,6 +117,7 @@ class RankResult:
             "frame": self.frame.to_json() if self.frame else None,
             "thread": self.thread,
             "progress": self.progress,
+            "wakeups": self.wakeups,
             "error": self.error,
             "stack": [f.to_json() for f in self.stack],
         }
@@ -185,10 +149,19 @@ class Verdict:
     summary: str
     evidence: list[str] = field(default_factory=list)
     hint: str | None = None
+    confidence: str = "low"  # "high": confirmed over several samples (or a rank is gone)
+    certainty: str = ""  # how sure, in words
+
+    @property
+    def is_hang(self) -> bool:
+        return self.kind in HANGS
 
     def to_json(self) -> dict:
         return {
             "kind": self.kind,
+            "hang": self.is_hang,
+            "confidence": self.confidence,
+            "certainty": self.certainty,
             "odd_ranks": self.odd_ranks,
             "missing_ranks": self.missing_ranks,
             "summary": self.summary,
@@ -238,8 +211,9 @@ def find_collective(frames: tuple[Frame, ...]) -> tuple[str, str] | None:
     for f in reversed(frames):
         if f.native:
             continue
-        if "torch/distributed/" in f.file.replace("\\", "/") and f.basename in COLLECTIVES:
-            return COLLECTIVES[f.basename], f.basename
+        kind = collectives.lookup(f.file, f.function)
+        if kind is not None:
+            return kind, f.basename
     for f in frames:
         if f.native and _NATIVE_SCOPE.search(f.function):
             for pattern, name in _NATIVE:
@@ -284,7 +258,8 @@ def _signature(frames: tuple[Frame, ...], lines: bool = True) -> tuple:
 def classify_rank(rs: RankSamples) -> RankResult:
     good = [d for d in rs.dumps if d.ok]
     if rs.gone or (rs.dumps and rs.dumps[-1].error_kind == "gone"):
-        return RankResult(rs.rank, rs.pid, "missing", error="process is gone")
+        why = "the process exited during the dump" if good else "the process is gone"
+        return RankResult(rs.rank, rs.pid, "missing", error=why, error_kind="gone")
     if not good:
         last = rs.dumps[-1] if rs.dumps else None
         return RankResult(
@@ -309,8 +284,11 @@ def classify_rank(rs: RankSamples) -> RankResult:
     else:
         state = "idle"
     progress = None
+    wakeups = _wakeups(good[1:], last.os_thread_id) if len(picks) > 1 else None
     if len(picks) > 1:
         moved = len({_signature(t.frames) for t in picks}) > 1
+        if state == "collective" and wakeups is not None and wakeups >= WOKEN:
+            moved = True  # back at the same line, but it finished collectives in between
         if state == "busy":
             # Spinning in one place keeps the same call chain (only lines move); a slow rank
             # that works through its step calls different functions from sample to sample.
@@ -328,7 +306,13 @@ def classify_rank(rs: RankSamples) -> RankResult:
         thread=last.name,
         stack=last.frames,
         progress=progress,
+        wakeups=wakeups,
     )
+
+
+def _wakeups(later: list[Dump], tid: int | None) -> int | None:
+    known = [d.ran[tid] for d in later if tid is not None and d.ran and tid in d.ran]
+    return sum(known) if known else None
 
 
 # --------------------------------------------------------------------------- verdict
@@ -346,7 +330,16 @@ def analyze(
     results.sort(key=lambda r: r.rank)
     groups = group_ranks(results)
     samples = max((len(r.dumps) for r in ranks), default=1)
-    return Analysis(results, groups, decide(results, groups, samples, multi_host))
+    spans = [
+        good[-1].taken_at - good[0].taken_at
+        for r in ranks
+        if len(good := [d for d in r.dumps if d.ok]) > 1
+    ]
+    window = min(spans) if spans else 0.0
+    verdict = decide(results, groups, samples, multi_host)
+    if verdict is not None:
+        verdict.confidence, verdict.certainty = how_sure(verdict, results, samples, window)
+    return Analysis(results, groups, verdict)
 
 
 def group_ranks(results: list[RankResult]) -> list[Group]:
@@ -381,15 +374,6 @@ def decide(
     busy = [r for r in present if r.state == "busy"]
     idle = [r for r in present if r.state == "idle"]
 
-    if samples > 1 and all(r.progress in ("moving", "slow") for r in present) and not missing:
-        return Verdict(
-            "no_hang",
-            [],
-            [],
-            f"every rank's stack changed across {samples} samples: the job is making progress",
-            evidence=[_line(r) for r in present],
-        )
-
     if missing:
         where = _where_many(waiting or idle or busy)
         return Verdict(
@@ -403,21 +387,50 @@ def decide(
             "output): it died or returned early, and the others wait for it forever",
         )
 
+    if samples > 1:
+        moving = [r for r in present if r.moved]
+        if moving and len(moving) == len(present):
+            return Verdict(
+                "no_hang",
+                [],
+                [],
+                f"every rank moved across {samples} samples: the job is making progress",
+                evidence=[_line(r) for r in present],
+            )
+        if moving:
+            still = [r for r in present if not r.moved]
+            # Ranks standing in a collective wait for the ones that move: name those.
+            odd = (
+                [r.rank for r in moving]
+                if all(r.state == "collective" for r in still)
+                and not any(r.state == "collective" for r in moving)
+                else []
+            )
+            return Verdict(
+                "progressing",
+                odd,
+                [],
+                f"{_ranks_word([r.rank for r in moving])} moved across {samples} samples "
+                f"while {_where_many(still)}: slow, not stuck (yet)",
+                evidence=[_line(r) for r in moving + still],
+                hint=(
+                    f"the others wait for {_ranks_word(odd)}: look at what "
+                    f"{'it does' if len(odd) == 1 else 'they do'} at {_where(moving[0])}; "
+                    "run the doctor again if this does not change"
+                    if odd
+                    else "run the doctor again, or with more --samples, if this does not change"
+                ),
+            )
+
     if waiting and busy:
         detail = ""
         if samples > 1:
-            stuck = [r.rank for r in busy if r.progress == "stuck"]
-            slow = [r.rank for r in busy if r.progress == "slow"]
-            parts = []
-            if stuck:
-                parts.append(
-                    f"{_ranks_word(stuck)} did not leave its loop across {samples} samples (stuck)"
-                )
-            if slow:
-                parts.append(f"{_ranks_word(slow)} moved between samples (slow, not stuck)")
-            detail = "; " + "; ".join(parts)
+            detail = (
+                f"; {_ranks_word([r.rank for r in busy])} did not leave "
+                f"{'its' if len(busy) == 1 else 'their'} loop across {samples} samples (stuck)"
+            )
         else:
-            detail = "; pass --samples 5 to tell a stuck rank from a slow one"
+            detail = "; pass --samples 3 to tell a stuck rank from a slow one"
         return Verdict(
             "straggler",
             [r.rank for r in busy],
@@ -508,7 +521,6 @@ def decide(
             [],
             text + still,
             evidence=[_line(r) for r in present],
-            hint=None if samples > 1 else "pass --samples 5 to see whether the stacks move",
         )
 
     odd: list[int] = []
@@ -523,6 +535,30 @@ def decide(
         evidence=[_line(r) for r in idle],
         hint="the wait is in your own code or a library: a queue nobody fills, a lock, a "
         "data loader or a server call; the frames above say which",
+    )
+
+
+def how_sure(v: Verdict, results: list[RankResult], samples: int, window: float) -> tuple[str, str]:
+    """("high" | "low", why): what the samples prove about this verdict."""
+    over = f"{samples} samples over {window:.1f}s"
+    if v.kind == "missing_rank":
+        return "high", "a rank's process is gone; the others cannot finish without it"
+    if samples < 2:
+        if v.is_hang:
+            return "low", (
+                "one sample: a snapshot, not proof; a healthy job caught inside a collective "
+                "looks the same (use --samples 3 or more)"
+            )
+        return "low", "one sample: nothing waits at this moment"
+    if not v.is_hang:
+        if v.kind == "no_hang" and not any(r.moved for r in results):
+            return "low", f"nobody waits, but no stack changed across {over}"
+        return "high", f"stacks changed (or waits ended) across {over}: the job moved"
+    asleep = sum(1 for r in results if r.wakeups == 0)
+    slept = f"; {asleep} of the ranks' threads did not run at all" if asleep else ""
+    return "high", (
+        f"nothing moved across {over}{slept}; a step or collective slower than "
+        f"{window:.1f}s looks the same (raise --samples or --interval to wait longer)"
     )
 
 
