@@ -26,7 +26,7 @@ HomeOpt = typer.Option(
 RegistryOpt = typer.Option(
     None,
     "--registry",
-    help=f"Registry root (env AREAL_REGISTRY; default {settings.DEFAULT_REGISTRY}).",
+    help=f"Registry: a directory or etcd://HOST:PORT (env AREAL_REGISTRY; default {settings.DEFAULT_REGISTRY}).",
 )
 JsonOpt = typer.Option(False, "--json", help="Machine-readable output on stdout.")
 

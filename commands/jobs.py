@@ -168,7 +168,7 @@ def stop(
         30.0, "--timeout", min=0.1, help="Seconds to wait for a clean stop."
     ),
     home: Path = HomeOpt,
-    registry: Path = RegistryOpt,
+    registry: str = RegistryOpt,
     json_out: bool = JsonOpt,
 ) -> None:
     from areal_cli import jobs, status
@@ -196,9 +196,7 @@ def stop(
     results = []
     for rec in records:
         with console.err.status(f"stopping {rec.name} ..."):
-            results.append(
-                status.stop_job(home_dir, rec, timeout, settings.registry_root(registry))
-            )
+            results.append(status.stop_job(home_dir, rec, timeout, settings.registry_url(registry)))
     if json_out:
         console.print_json(results)
         return

@@ -82,7 +82,7 @@ def register(app: typer.Typer) -> None:
             "--gpus",
             help="GPU ids to use, e.g. 0,1,2,3 (default: CUDA_VISIBLE_DEVICES, else nvidia-smi).",
         ),
-        registry: Path = RegistryOpt,
+        registry: str = RegistryOpt,
         home: Path = HomeOpt,
         config: Path = typer.Option(None, "--config", "-c", help="Job YAML; keys are these flags."),
         detach: bool = typer.Option(
@@ -172,7 +172,7 @@ def register(app: typer.Typer) -> None:
             api_key=str(pick(api_key, cfg, "api_key", "auto")),
             health_timeout=float(pick(health_timeout, cfg, "health_timeout", 600.0)),
         )
-        home_dir, reg_root = settings.home(home), settings.registry_root(registry)
+        home_dir, reg_root = settings.home(home), settings.registry_url(registry)
         plan = planner.plan(spec, home_dir, reg_root, check_packages=not dry_run)
         if dry_run:
             show_plan(plan, json_out)

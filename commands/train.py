@@ -117,7 +117,7 @@ def register(app: typer.Typer) -> None:
             help="Co-launched servers: auto | none | KEY (default auto). With --servers: the "
             "KEY they need (default env AREAL_API_KEY).",
         ),
-        registry: Path = RegistryOpt,
+        registry: str = RegistryOpt,
         home: Path = HomeOpt,
         dry_run: bool = typer.Option(
             False, "--dry-run", help="Print the torchrun command, env and GPUs; start nothing."
@@ -126,7 +126,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         from areal_cli import discovery, models, planner
         from areal_cli.alloc import parse
-        from areal_cli.registry import FileRegistry
+        from areal_cli.registry import open_registry
         from areal_cli.spec import JobSpec, ServerRole, TrainerRole
 
         cfg = load_config(config, CONFIG_KEYS)
@@ -158,7 +158,7 @@ def register(app: typer.Typer) -> None:
         if world % nnodes:
             raise UsageError(f"{alloc}: world size {world} does not split over {nnodes} nodes")
         experiment, trial = job_names(experiment, trial, cfg)
-        home_dir, reg_root = settings.home(home), settings.registry_root(registry)
+        home_dir, reg_root = settings.home(home), settings.registry_url(registry)
         py = pick(python, cfg, "python", None) or python_default()
         env: dict[str, str] = {}
         preset = pick(debug_preset, cfg, "debug_preset", None)
@@ -211,7 +211,7 @@ def register(app: typer.Typer) -> None:
             else:
                 wait = 0.0 if dry_run else float(pick(wait_servers, cfg, "wait_servers", 60.0))
                 need = int(pick(min_servers, cfg, "min_servers", 1))
-                reg = FileRegistry(reg_root)
+                reg = open_registry(reg_root)
                 with console.err.status(
                     f"waiting for servers of {experiment}/{trial} ..."
                 ) as status:
