@@ -13,7 +13,8 @@ SGLANG_FLAGS = {"--model-path", "--host", "--port", "--tp-size", "--pp-size", "-
                 "--base-gpu-id", "--mem-fraction-static", "--api-key"}  # fmt: skip
 # From `vllm serve --help` / the engine-arguments page.
 VLLM_FLAGS = {"--host", "--port", "--tensor-parallel-size", "--pipeline-parallel-size", "--seed",
-              "--gpu-memory-utilization", "--api-key"}  # fmt: skip
+              "--gpu-memory-utilization", "--api-key", "--logprobs-mode", "--generation-config",
+              "--weight-transfer-config"}  # fmt: skip
 
 
 def flags(argv):
@@ -27,7 +28,8 @@ def four_gpus(monkeypatch):
 
 def spec(backend, d, t, model, **kw):
     role = ServerRole(backend=backend, model_path=str(model), replicas=d, tp=t, python="python",
-                      host=kw.pop("host", "127.0.0.1"))  # fmt: skip
+                      host=kw.pop("host", "127.0.0.1"),
+                      allow_unauthenticated_control=kw.pop("allow", False))  # fmt: skip
     return JobSpec(experiment="e", trial="t", servers=role, **kw)
 
 
@@ -44,8 +46,8 @@ def test_sglang_plan_slices_gpus(tmp_path, four_gpus):
 
 
 def test_vllm_plan(tmp_path, four_gpus):
-    p = planner.plan(spec("vllm", 1, 4, tmp_path, host="0.0.0.0"), tmp_path, tmp_path / "r",
-                     check_packages=False)  # fmt: skip
+    p = planner.plan(spec("vllm", 1, 4, tmp_path, host="0.0.0.0", allow=True), tmp_path,
+                     tmp_path / "r", check_packages=False)  # fmt: skip
     argv = p.servers[0].argv
     assert argv[1:3] == ["serve", str(tmp_path)] and flags(argv) <= VLLM_FLAGS
     # Bound beyond loopback: a key is generated and handed to the server.

@@ -1,7 +1,12 @@
 """RolloutClient against real aiohttp servers on loopback that speak SGLang's and vLLM's protocols.
 
 The stubs compute a deterministic continuation (prompt's last token + 1, + 2, ...) so every
-answer can be checked, and they count requests and concurrent requests per server.
+answer can be checked, and they count requests and concurrent requests per server. The
+SGLang stub follows 0.5.23 where the client depends on it: unknown sampling keys are a 400
+(sglang/api/v1/api_types.py:1256-1320), the version lives in GET /model_info
+(srt/entrypoints/http_server.py:812-850) and moves on a disk update only when the request
+names one (srt/managers/tokenizer_manager.py:2313-2318); `old_routes` serves the removed
+/get_weight_version instead.
 """
 
 from __future__ import annotations
@@ -15,12 +20,29 @@ from aiohttp import web
 from areal_cli.errors import UsageError
 from areal_cli.worker.rollout import RolloutClient, RolloutError
 
+SGLANG_SAMPLING_KEYS = {
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p",
+    "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+    "min_new_tokens", "n", "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos",
+    "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval",
+    "logit_bias", "sampling_seed", "custom_params", "beam_width", "watermark", "choice",
+}  # fmt: skip
+
 
 class Stub:
     """One inference server: `kind` is "sglang" (also the hf server's protocol) or "vllm"."""
 
-    def __init__(self, kind: str = "sglang", *, delay: float = 0.0, api_key: str | None = None):
+    def __init__(
+        self,
+        kind: str = "sglang",
+        *,
+        delay: float = 0.0,
+        api_key: str | None = None,
+        old_routes: bool = False,
+    ):
         self.kind = kind
+        self.old_routes = old_routes
+        self.aborts = 0  # answer this many /generate requests as aborted first
         self.delay = delay
         self.api_key = api_key
         self.status: int | None = None  # force this HTTP status on /generate
@@ -31,7 +53,8 @@ class Stub:
         self.auth_headers: list[str | None] = []
         self.bodies: list[dict] = []
         self.calls: list[str] = []
-        self.version = "0"
+        self.version = "default"
+        self.control_bodies: list[tuple[str, dict]] = []
         self.loaded_path: str | None = None
         self.runner: web.AppRunner | None = None
         self.addr = ""
@@ -43,8 +66,11 @@ class Stub:
             app.router.add_post("/pause_generation", self._control)
             app.router.add_post("/continue_generation", self._control)
             app.router.add_post("/update_weights_from_disk", self._update)
-            app.router.add_get("/get_weight_version", self._version)
-            app.router.add_get("/get_model_info", self._model_info)
+            if self.old_routes:
+                app.router.add_get("/get_weight_version", self._version)
+                app.router.add_get("/get_model_info", self._model_info)
+            else:
+                app.router.add_get("/model_info", self._model_info)
         else:
             app.router.add_get("/v1/models", self._models)
             app.router.add_post("/v1/completions", self._completions)
@@ -86,9 +112,20 @@ class Stub:
         body = await self._serve(request)
         if isinstance(body, web.Response):
             return body
+        unknown = set(body["sampling_params"]) - SGLANG_SAMPLING_KEYS
+        if unknown:
+            return web.json_response({"error": f"unknown field `{unknown.pop()}`"}, status=400)
         last = body["input_ids"][-1]
         n = body["sampling_params"]["max_new_tokens"]
         out = [(last + 1 + i) % 256 for i in range(n)]
+        if self.aborts:
+            self.aborts -= 1
+            return web.json_response({"text": "", "output_ids": out[:1], "meta_info": {
+                "output_token_logprobs": [[-0.1, out[0], None]],
+                "finish_reason": {"type": "abort", "message": "Aborted", "status_code": None,
+                                  "err_type": None},
+                "weight_version": self.version,
+            }})  # fmt: skip
         return web.json_response(
             {
                 "text": "",
@@ -112,7 +149,9 @@ class Stub:
 
     async def _model_info(self, request: web.Request) -> web.StreamResponse:
         self._check_auth(request)
-        return web.json_response({"model_path": "/models/stub", "is_generation": True})
+        return web.json_response(
+            {"model_path": "/models/stub", "is_generation": True, "weight_version": self.version}
+        )
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._serve(request)
@@ -143,17 +182,20 @@ class Stub:
     async def _control(self, request: web.Request) -> web.StreamResponse:
         self._check_auth(request)
         self.calls.append(request.path)
-        return web.json_response({"success": True})
+        self.control_bodies.append((request.path, await request.json()))
+        return web.json_response({"message": "ok", "status": "ok"})
 
     async def _update(self, request: web.Request) -> web.StreamResponse:
         self._check_auth(request)
         body = await request.json()
         self.calls.append(request.path)
+        self.control_bodies.append((request.path, body))
         if self.fail_update:
             return web.json_response({"success": False, "message": "no such file"}, status=400)
         self.loaded_path = body["model_path"]
-        self.version = body.get("weight_version", str(int(self.version) + 1))
-        return web.json_response({"success": True, "message": "ok"})
+        if body.get("weight_version") is not None:
+            self.version = body["weight_version"]
+        return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
 
     async def _version(self, request: web.Request) -> web.StreamResponse:
         self._check_auth(request)
@@ -186,7 +228,7 @@ def test_sglang_generate_parses_tokens_logprobs_and_sends_api_key():
         assert c.logprobs == [-0.25, -0.5, -0.75]
         assert c.finish_reason == "length"
         assert c.server == addrs[0]
-        assert c.weight_version == "0"
+        assert c.weight_version == "default"
         assert stub.auth_headers == ["Bearer sekret"]
         sent = stub.bodies[0]
         assert sent["return_logprob"] is True
@@ -404,7 +446,7 @@ def test_pause_update_resume_and_versions():
         addrs = await _started(a, b)
         try:
             async with RolloutClient(addrs) as client:
-                assert await client.weight_versions() == {addrs[0]: "0", addrs[1]: "0"}
+                assert await client.weight_versions() == {addrs[0]: "default", addrs[1]: "default"}
                 await client.pause()
                 version = await client.update_weights_from_disk("/ckpt/step1", version=1)
                 await client.resume()
@@ -422,8 +464,74 @@ def test_pause_update_resume_and_versions():
                 "/continue_generation",
             ]
             assert s.loaded_path == "/ckpt/step1"
+            # A sync pauses in retract mode (srt/managers/io_struct.py:1927-1946), and the
+            # version goes as a string (io_struct.py:1978-1979) or SGLang keeps the old one.
+            assert s.control_bodies[0] == ("/pause_generation", {"mode": "retract"})
+            assert s.control_bodies[1][1]["weight_version"] == "1"
 
     run(main())
+
+
+def test_versions_fall_back_to_the_removed_route_only_on_old_servers():
+    async def main():
+        old = Stub(old_routes=True)
+        addrs = await _started(old)
+        try:
+            async with RolloutClient(addrs) as client:
+                version = await client.update_weights_from_disk("/ckpt/1", version="v1")
+                info = await client.model_info()
+        finally:
+            await _stopped(old)
+        assert version == "v1" and info["model_path"] == "/models/stub"
+
+    run(main())
+
+
+def test_only_sglang_sampling_keys_go_on_the_wire_and_the_seed_is_sampling_seed():
+    async def main():
+        stub = Stub()
+        addrs = await _started(stub)
+        try:
+            async with RolloutClient(addrs) as client:
+                await client.generate([1], max_new_tokens=2, seed=7, ignore_eos=True)
+                await client.generate_batch([[1]], max_new_tokens=2, seed=3)
+        finally:
+            await _stopped(stub)
+        for body in stub.bodies:
+            assert set(body["sampling_params"]) <= SGLANG_SAMPLING_KEYS
+        assert [b["sampling_params"]["sampling_seed"] for b in stub.bodies] == [7, 3]
+
+    run(main())
+
+
+def test_aborted_completions_are_retried_never_returned():
+    async def main():
+        stub = Stub()
+        stub.aborts = 2
+        addrs = await _started(stub)
+        try:
+            async with RolloutClient(addrs, retries=3, retry_backoff=0.01) as client:
+                c = await client.generate([4], max_new_tokens=3)
+                stub.aborts = 5
+                with pytest.raises(RolloutError, match="aborted"):
+                    await client.generate([4], max_new_tokens=3)
+                live = client.live_servers()
+        finally:
+            await _stopped(stub)
+        assert c.finish_reason == "length" and c.output_ids == [5, 6, 7]
+        # An abort is not the server's fault: it stays in rotation.
+        assert live == addrs
+
+    run(main())
+
+
+def test_pause_modes_are_the_backends_own():
+    client = RolloutClient(["127.0.0.1:1"], backend="sglang")
+    assert client.pause_mode(None) == "retract" and client.pause_mode("in_place") == "in_place"
+    with pytest.raises(UsageError, match="retract, abort, in_place"):
+        client.pause_mode("keep")
+    vllm = RolloutClient(["127.0.0.1:1"], backend="vllm")
+    assert vllm.pause_mode(None) == "keep"
 
 
 def test_a_server_that_missed_an_update_leaves_rotation_until_the_next():

@@ -606,10 +606,18 @@ class RolloutClient:
 
     async def _control(self, server: _Server, path: str, payload: dict | None = None,
                        params: dict[str, str] | None = None, timeout: float | None = None) -> Any:  # fmt: skip
-        data = await self._request(
-            server, "POST", path, payload if payload is not None else {},
-            timeout or self.control_timeout, params=params,
-        )  # fmt: skip
+        try:
+            data = await self._request(
+                server, "POST", path, payload if payload is not None else {},
+                timeout or self.control_timeout, params=params,
+            )  # fmt: skip
+        except _NotFound as e:
+            if self.backend == "vllm":
+                e.hint = (
+                    "vLLM serves its control routes only with VLLM_SERVER_DEV_MODE=1 in its "
+                    "environment (areal serve sets it)"
+                )
+            raise
         if isinstance(data, dict) and data.get("success") is False:
             raise RolloutError(
                 f"{server.addr} failed {path}", detail=str(data.get("message") or data)

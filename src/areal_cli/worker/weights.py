@@ -317,7 +317,7 @@ class _Transfer:
         if group is None:
             return
         try:
-            group.close() if hasattr(group, "close") else group.destroy()
+            group.close()
         except Exception:  # a broken group is being dropped anyway
             pass
 
@@ -478,8 +478,6 @@ async def _send_vllm(
     """vLLM 0.33's native transfer (vllm/entrypoints/rl/online/api_router.py:162-214,
     vllm/distributed/weight_transfer/nccl_engine.py:183-240, unpacked: one broadcast per
     tensor, in the order of the metadata)."""
-    import torch
-
     servers = transfer.servers
     meta = {
         "names": list(tensors),
@@ -492,19 +490,12 @@ async def _send_vllm(
     )
     await client.on_servers(servers, "start_weight_update",
                             lambda s: client._control(s, "/start_weight_update"))  # fmt: skip
-
-    def broadcast_all() -> None:
-        stream = torch.cuda.current_stream()
-        for t in tensors.values():
-            transfer.group.broadcast(t.cuda(non_blocking=True), src=0, stream=stream)
-        stream.synchronize()
-
     http = client.on_servers(
         servers, "update_weights",
         lambda s: client._control(s, "/update_weights", {"update_info": update_info},
                                   timeout=timeout + 30),
     )  # fmt: skip
-    await _together(http, broadcast_all)
+    await _together(http, transfer.group.send, list(tensors.values()))
     transfer.sent_meta = meta
     body = {} if version is None else {"weight_version": version}
     await client.on_servers(servers, "finish_weight_update",
@@ -569,6 +560,9 @@ async def _ensure_transfer(client: RolloutClient, timeout: float) -> _Transfer:
     candidates = [s.addr for s in client._reachable()]
     if not candidates:
         raise client._no_server_error("weight sync")
+    old = _TRANSFERS.get(client)
+    if old is not None and old.servers == candidates and old.group is not None:
+        return old
     infos: dict[str, dict] = {}
 
     async def info(s: Any) -> None:
@@ -584,7 +578,6 @@ async def _ensure_transfer(client: RolloutClient, timeout: float) -> _Transfer:
     if not servers:
         raise client._no_server_error("weight sync")
 
-    old = _TRANSFERS.get(client)
     if old is not None and old.servers == servers and old.group is not None:
         return old
     if old is not None:
@@ -653,16 +646,39 @@ async def _init_sglang(
         raise
 
 
+class _VllmGroup:
+    """Rank 0 of vLLM's trainer-to-worker NCCL group (its own communicator, not torch's)."""
+
+    def __init__(self, master: str, port: int, world_size: int):
+        try:
+            from vllm.distributed.weight_transfer.nccl_common import trainer_init
+        except ImportError:
+            raise UsageError(
+                "vLLM's native weight transfer needs the vllm package and a GPU in the trainer",
+                hint="install vllm next to the trainer, or sync with method='disk'",
+            ) from None
+        info = {"master_address": master, "master_port": port, "world_size": world_size}
+        self._comm = trainer_init(info)
+
+    def send(self, tensors: list[Any]) -> None:
+        import torch
+
+        stream = torch.cuda.current_stream()
+        for t in tensors:
+            self._comm.broadcast(t.cuda(non_blocking=True), src=0, stream=stream)
+        stream.synchronize()
+
+    def close(self) -> None:
+        self._comm.destroy()
+
+
+# Made by `_init_vllm`; a test without GPUs puts a recording group in its place.
+VLLM_GROUP: Any = _VllmGroup
+
+
 async def _init_vllm(
     client: RolloutClient, transfer: _Transfer, master: str, offsets: list[int], timeout: float
 ) -> None:
-    try:
-        from vllm.distributed.weight_transfer.nccl_common import trainer_init
-    except ImportError:
-        raise UsageError(
-            "vLLM's native weight transfer needs the vllm package and a GPU in the trainer",
-            hint="install vllm next to the trainer, or sync with method='disk'",
-        ) from None
     port = _free_port(master)
 
     def body(addr: str) -> dict:
@@ -679,9 +695,7 @@ async def _init_vllm(
     )  # fmt: skip
 
     def join() -> None:
-        transfer.group = trainer_init(
-            {"master_address": master, "master_port": port, "world_size": transfer.world_size}
-        )
+        transfer.group = VLLM_GROUP(master, port, transfer.world_size)
 
     try:
         await _together(http, join)

@@ -1,0 +1,96 @@
+"""Server command lines and environments against sglang 0.5.23's and vllm 0.33's own flags."""
+
+from __future__ import annotations
+
+import pytest
+
+from areal_cli import backends
+from areal_cli.errors import UsageError
+from areal_cli.spec import ServerRole
+from tests.helpers import areal
+
+# sglang 0.5.23: one flag per field, "--" + name with "-" for "_"
+# (srt/arg_groups/arg_utils.py:288-290): model_path (fields/model.py:51-57), host and port
+# (fields/serving.py:65-66), tp_size (fields/parallel.py:45-51), pp_size (:59-65),
+# random_seed (fields/device.py:47), base_gpu_id (:28-31), mem_fraction_static
+# (fields/schedule.py:27-30), api_key (fields/serving.py:160-163).
+SGLANG_FLAGS = {"--model-path", "--host", "--port", "--tp-size", "--pp-size", "--random-seed",
+                "--base-gpu-id", "--mem-fraction-static", "--api-key", "--revision"}  # fmt: skip
+# vllm 0.33: engine/arg_utils.py:978 (--seed), :1010 (--logprobs-mode), :1041
+# (--generation-config), :1171 (--pipeline-parallel-size), :1209 (--tensor-parallel-size),
+# :1389 (--gpu-memory-utilization), :1915 (--weight-transfer-config); --host, --port,
+# --api-key from the OpenAI server's arguments.
+VLLM_FLAGS = {"--host", "--port", "--tensor-parallel-size", "--pipeline-parallel-size", "--seed",
+              "--gpu-memory-utilization", "--api-key", "--logprobs-mode", "--generation-config",
+              "--weight-transfer-config", "--revision"}  # fmt: skip
+
+
+def role(backend: str, **kw) -> ServerRole:
+    return ServerRole(backend=backend, model_path="/models/m", replicas=1, python="python", **kw)
+
+
+def flags(argv: list[str]) -> set[str]:
+    return {a for a in argv if a.startswith("--")}
+
+
+def value(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_sglang_argv_uses_only_its_flags():
+    argv = backends.get("sglang").argv(role("sglang", tp=2, pp=2), 30000, "k", True)
+    assert argv[:3] == ["python", "-m", "sglang.launch_server"]
+    assert flags(argv) <= SGLANG_FLAGS
+    assert value(argv, "--tp-size") == "2" and value(argv, "--pp-size") == "2"
+    assert backends.get("sglang").env(role("sglang")) == {}
+
+
+def test_vllm_argv_and_env_for_a_trained_server():
+    vllm = backends.get("vllm")
+    argv = vllm.argv(role("vllm", tp=2), 8000, None, True)
+    assert argv[1:3] == ["serve", "/models/m"] and flags(argv) <= VLLM_FLAGS
+    # config/model.py:291 (raw_logprobs by default: before temperature), :358-364
+    # (generation_config.json would change sampling defaults).
+    assert value(argv, "--logprobs-mode") == "processed_logprobs"
+    assert value(argv, "--generation-config") == "vllm"
+    # v1/worker/gpu_worker.py:1512-1517: no engine without a weight-transfer config.
+    assert value(argv, "--weight-transfer-config") == '{"backend": "nccl"}'
+    # entrypoints/launchers/api_server/routers.py:46-53: control routes need dev mode.
+    assert vllm.env(role("vllm")) == {"VLLM_SERVER_DEV_MODE": "1"}
+
+
+def test_vllm_flags_the_user_gives_win():
+    r = role("vllm", extra_args=("--logprobs-mode", "raw_logprobs", "--generation-config=auto"))
+    argv = backends.get("vllm").argv(r, 8000, None, True)
+    assert argv.count("--logprobs-mode") == 1 and value(argv, "--logprobs-mode") == "raw_logprobs"
+    assert "--generation-config" not in argv and "--generation-config=auto" in argv
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1"])
+def test_vllm_on_loopback_binds(host):
+    backends.get("vllm").check_bind(role("vllm", host=host))
+
+
+def test_vllm_beyond_loopback_needs_the_explicit_flag():
+    vllm = backends.get("vllm")
+    with pytest.raises(UsageError) as info:
+        vllm.check_bind(role("vllm", host="0.0.0.0"))
+    # entrypoints/serve/middleware/authenticate.py:11: what --api-key leaves open.
+    assert "--api-key does not cover them" in info.value.message
+    assert "--allow-unauthenticated-control" in info.value.hint
+    vllm.check_bind(role("vllm", host="0.0.0.0", allow_unauthenticated_control=True))
+    backends.get("sglang").check_bind(role("sglang", host="0.0.0.0"))
+
+
+def test_serve_refuses_with_exit_2_and_the_reason(tmp_path):
+    args = ["serve", "--backend", "vllm", "--model", str(tmp_path), "--host", "0.0.0.0",
+            "--gpus", "0", "--dry-run"]  # fmt: skip
+    res = areal(*args)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "would let anyone who reaches it pause it" in res.stderr
+    ok = areal(*args, "--allow-unauthenticated-control", "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert "VLLM_SERVER_DEV_MODE" in ok.stdout
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("allow_unauthenticated_control: true\n")
+    assert areal(*args, "--config", str(cfg)).returncode == 0
