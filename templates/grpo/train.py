@@ -10,8 +10,9 @@ One step:
      prompt's group, so no value model is needed;
   3. clipped policy-gradient loss on the sampled tokens, ratio = pi_theta / pi_behaviour,
      gradients averaged over ranks by FSDP, one optimizer step;
-  4. the new weights go to the servers (gathered checkpoint on disk, reloaded by every
-     server), so the next step samples from the policy just trained.
+  4. the new weights go to the servers, so the next step samples from the policy just
+     trained: broadcast over a process group from rank 0 to every server (`sync_method:
+     distributed`, the default), or a checkpoint on disk that every server reloads (`disk`).
 
 Rank 0 prints one table row per step and appends it to $AREAL_LOG_DIR/metrics.jsonl.
 """
@@ -37,6 +38,8 @@ import yaml
 from areal_cli.worker import close, connect, shard_model, sync_weights
 
 # --------------------------------------------------------------------------- config
+
+SYNC_METHODS = ("distributed", "disk")
 
 
 @dataclass
@@ -65,7 +68,10 @@ class Config:
     param_dtype: str | None = None  # e.g. bfloat16 on GPUs; None keeps the checkpoint's
     sync_dtype: str | None = None  # dtype of the checkpoint the servers load
     gradient_checkpointing: bool = False
-    weights_dir: str | None = None  # default: $AREAL_LOG_DIR/weights
+    # "distributed": broadcast the weights to the servers over a process group;
+    # "disk": write a checkpoint to weights_dir that every server loads.
+    sync_method: str = "distributed"
+    weights_dir: str | None = None  # disk sync only; default: $AREAL_LOG_DIR/weights
     # Push weights to the servers every N steps. 0 never does: the control experiment, in
     # which the reward stays where it started because the servers keep the old policy.
     sync_every: int = 1
@@ -104,6 +110,10 @@ def load_config(argv: list[str]) -> Config:
             values[key] = os.path.expanduser(os.path.expandvars(value))
     if isinstance(values.get("betas"), list):
         values["betas"] = tuple(values["betas"])
+    if values.get("sync_method", "distributed") not in SYNC_METHODS:
+        parser.exit(
+            2, f"error: sync_method {values['sync_method']!r} is not one of {SYNC_METHODS}\n"
+        )
     return Config(**values)
 
 
@@ -349,9 +359,17 @@ def main(argv: list[str]) -> None:
     weights_dir = Path(cfg.weights_dir or ctx.log_dir / "weights")
     report = Report(ctx.log_dir) if ctx.is_main else None
     if report is not None:
+        from rich.markup import escape
+
+        dims = zip(ctx.mesh.mesh_dim_names, ctx.mesh.shape, strict=True)
+        mesh = ", ".join(f"{n}={s}" for n, s in dims)
+        # One line however long: logs are read with grep, and a server list split over two
+        # lines is two half-facts.
         report.console.print(
-            f"[bold]GRPO[/] {cfg.task} · model {model_path} · {ctx.world_size} rank(s) "
-            f"mesh {ctx.mesh.mesh_dim_names}={tuple(ctx.mesh.shape)} · servers {ctx.servers}"
+            f"[bold]GRPO[/] {escape(cfg.task)} · model {escape(str(model_path))} · "
+            f"{ctx.world_size} rank(s), mesh {mesh} · sync {cfg.sync_method} · "
+            f"servers {escape(', '.join(ctx.servers))}",
+            soft_wrap=True,
         )
         (ctx.log_dir / "grpo_config.json").write_text(json.dumps(asdict(cfg), indent=2))
 
@@ -410,7 +428,8 @@ def main(argv: list[str]) -> None:
             synced = sync_weights(
                 model,
                 client,
-                weights_dir,
+                weights_dir if cfg.sync_method == "disk" else None,
+                method=cfg.sync_method,
                 version=step + 1,
                 tokenizer_from=model_path,
                 dtype=sync_dtype,

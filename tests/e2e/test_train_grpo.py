@@ -39,12 +39,17 @@ def serve(tiny, *extra):
     return json.loads(out.stdout)["servers"]
 
 
-def test_serve_then_train_learns_through_weight_sync(tiny, areal_env):
+@pytest.mark.parametrize("method", ["distributed", "disk"])
+def test_serve_then_train_learns_through_weight_sync(tiny, areal_env, method):
     home, _ = areal_env
     (server,) = serve(tiny)
     try:
-        res = areal("train", "--alloc", "fsdp:d2", TRAIN, "--config", CONFIG, check=0, timeout=400)
+        res = areal("train", "--alloc", "fsdp:d2", TRAIN, "--config", CONFIG,
+                    f"sync_method={method}", check=0, timeout=400)  # fmt: skip
         assert "training finished with exit code 0" in res.stderr
+        # The header is one line, the server list included.
+        header = next(x for x in (res.stdout + res.stderr).splitlines() if "GRPO" in x)
+        assert f"sync {method}" in header and f"servers {server['addr']}" in header
         rows = metrics(home)
         assert [r["step"] for r in rows] == list(range(25))
         rewards = [r["reward_mean"] for r in rows]
@@ -52,9 +57,9 @@ def test_serve_then_train_learns_through_weight_sync(tiny, areal_env):
         gain = sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5
         assert gain >= 0.2, rewards
         # The new weights really reached the server: its version is the last step's.
-        with urllib.request.urlopen(f"http://{server['addr']}/get_weight_version") as r:
+        with urllib.request.urlopen(f"http://{server['addr']}/model_info") as r:
             version = json.loads(r.read())["weight_version"]
-        assert version == rows[-1]["weight_version"] and version != "0"
+        assert version == rows[-1]["weight_version"] == "25"
         assert max(r["logprob_gap"] for r in rows) < 1e-3
     finally:
         areal("stop", "default/trial0", check=0)
