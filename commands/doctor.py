@@ -75,8 +75,8 @@ def hang_cmd(
     blocked_outside_collective, straggler, collective_stuck, progressing, no_hang.
     A hang is called only when nothing moved across the samples (3 over about 1 s).
 
-    --json prints {job, ranks, groups, verdict, samples, errors}; with several jobs, the
-    first that hangs is at the top level and all are under "jobs".
+    --json prints {job, ranks, groups, verdict, samples, errors, timing}; with several
+    jobs, the first that hangs is at the top level and all are under "jobs".
 
     Exit code: 0 verdict reached · 1 a dump failed · 2 bad target.
 

@@ -28,10 +28,6 @@ from pathlib import Path
 from areal_cli.errors import UsageError
 
 DEFAULT_TIMEOUT = 10.0
-# How often one py-spy dump itself gets a thread scheduled in (the ptrace stop and the resume):
-# 2 in most dumps, 1 or 3 in some. More than this between samples is the thread's own doing.
-DUMP_RUNS = 3
-
 Counters = dict[int, tuple[int, int]]  # thread id -> (CPU ns, times scheduled in)
 
 
@@ -297,7 +293,7 @@ def _sample(
             return replace(prev, ran=ran, reused=True, taken_at=time.time(), elapsed_s=0.0)
     d = dump(pid, pyspy=pyspy, native=native, show_locals=show_locals, timeout=timeout)
     if d.ok:
-        d.counters = settled_counters(pid, d.threads)
+        d.counters = counters_after_dump(pid, d.threads)
         d.ran = ran
     return d
 
@@ -333,35 +329,33 @@ def read_counters(pid: int, tids: Iterable[int]) -> Counters:
     return out
 
 
-def settled_counters(pid: int, threads: list[ThreadStack], wait_s: float = 0.02) -> Counters:
-    """The counters once the threads py-spy saw asleep are asleep again.
+def counters_after_dump(pid: int, threads: list[ThreadStack]) -> Counters:
+    """The counters as they stand once the dump's own doing is over.
 
-    Released by py-spy, a sleeping thread is scheduled in once more to resume its wait; read
-    before that, the resume would later look like the thread's own activity.
+    Let go by py-spy, a thread it found asleep is scheduled in once more to resume its wait;
+    until that has happened (the thread is not asleep yet) the run is counted ahead, so that
+    it never looks like the thread's own activity. Nothing is waited for.
     """
     tids = [t.os_thread_id for t in threads if t.os_thread_id]
-    sleepers = [t.os_thread_id for t in threads if t.os_thread_id and not t.active]
-    deadline = time.monotonic() + wait_s
-    while True:
-        before = read_counters(pid, tids)
-        if all(_thread_state(pid, tid) in ("S", "D", "I", "") for tid in sleepers):
-            after = read_counters(pid, tids)
-            if after == before or time.monotonic() > deadline:
-                return after
-        elif time.monotonic() > deadline:
-            return before
-        time.sleep(0.001)
+    pending = {
+        t.os_thread_id
+        for t in threads
+        if t.os_thread_id and not t.active and _thread_state(pid, t.os_thread_id) not in "SDI"
+    }
+    return {
+        tid: (cpu, runs + (tid in pending)) for tid, (cpu, runs) in read_counters(pid, tids).items()
+    }
 
 
 def _thread_state(pid: int, tid: int) -> str:
-    """The kernel's one-letter state of a thread (S sleeping, R running, t traced); "" if gone."""
+    """The kernel's one-letter state of a thread (S sleeping, R running, t traced); "X" if gone."""
     try:
         with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
             text = f.read()
         end = text.rindex(b")")
-        return text[end + 2 : end + 3].decode()
+        return text[end + 2 : end + 3].decode() or "X"
     except (OSError, ValueError):
-        return ""
+        return "X"
 
 
 def classify_error(stderr: str, pid: int) -> str:

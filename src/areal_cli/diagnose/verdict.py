@@ -554,8 +554,8 @@ def how_sure(v: Verdict, results: list[RankResult], samples: int, window: float)
         if v.kind == "no_hang" and not any(r.moved for r in results):
             return "low", f"nobody waits, but no stack changed across {over}"
         return "high", f"stacks changed (or waits ended) across {over}: the job moved"
-    asleep = sum(1 for r in results if r.wakeups == 0)
-    slept = f"; {asleep} of the ranks' threads did not run at all" if asleep else ""
+    asleep = [r.rank for r in results if r.wakeups == 0]
+    slept = f"; {_ranks_word(asleep)} did not even run" if asleep else ""
     return "high", (
         f"nothing moved across {over}{slept}; a step or collective slower than "
         f"{window:.1f}s looks the same (raise --samples or --interval to wait longer)"
