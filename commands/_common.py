@@ -29,6 +29,9 @@ RegistryOpt = typer.Option(
     help=f"Registry: a directory or etcd://HOST:PORT (env AREAL_REGISTRY; default {settings.DEFAULT_REGISTRY}).",
 )
 JsonOpt = typer.Option(False, "--json", help="Machine-readable output on stdout.")
+SchedulerOpt = typer.Option(
+    None, "--scheduler", help="local | slurm (env AREAL_SCHEDULER; default local)."
+)
 
 COLORS = [
     "cyan",
@@ -142,9 +145,10 @@ class LinePrinter:
         self.console.print(f"[{color}]\\[{label}][/] {escape(line)}")
 
 
-def show_plan(plan, json_out: bool) -> None:
-    """--dry-run: the plan as JSON, or as a newcomer reads it: one block per process, argv
-    copy-pasteable. The API key is never shown."""
+def show_plan(request, json_out: bool) -> None:
+    """--dry-run: the request as JSON, or as a newcomer reads it: one block per process,
+    argv copy-pasteable (and the batch script a cluster scheduler would submit). The API key
+    is never shown."""
     import shlex
 
     from rich.markup import escape
@@ -152,9 +156,10 @@ def show_plan(plan, json_out: bool) -> None:
     from areal_cli import console as _console
 
     if json_out:
-        _console.print_json(plan.to_json())
+        _console.print_json(request.to_json())
         return
     console = _console.out
+    plan = request.plan
 
     console.print(
         f"[bold]plan[/] {plan.experiment}/{plan.trial} ({plan.kind})\n"
@@ -170,14 +175,28 @@ def show_plan(plan, json_out: bool) -> None:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(p["env"].items()))
         console.print(f"  env   {escape(env)}")
         console.print(f"  log   {p['log_path']}")
+    script = getattr(plan, "script", None)
+    if script:
+        console.print(f"[bold cyan]{request.scheduler} batch script[/]")
+        console.print(escape(script), highlight=False)
 
 
-def run_foreground(plan, home_dir, json_out: bool = False) -> None:
-    """Supervise `plan` in this process: prefixed logs and events on stderr, Ctrl-C tears
-    down. Exits with the job's code."""
+def scheduler_for(name: str | None, config: dict, home, registry):
+    """The scheduler a command runs on: --scheduler, the job YAML, AREAL_SCHEDULER, local."""
+    from areal_cli import schedulers
+
+    return schedulers.get(
+        schedulers.pick(name, config), home=settings.home(home), registry=registry
+    )
+
+
+def run_foreground(sched, request, json_out: bool = False) -> None:
+    """Run the job in this process's foreground: prefixed logs and events on stderr, Ctrl-C
+    or SIGTERM tears it down. Exits with the job's code (130/143 when stopped)."""
     from areal_cli import console
-    from areal_cli.supervisor import Supervisor
+    from areal_cli.schedulers.api import Stopped
 
+    plan = request.plan
     err = console.err
     name = f"{plan.experiment}/{plan.trial}"
 
@@ -192,6 +211,8 @@ def run_foreground(plan, home_dir, json_out: bool = False) -> None:
                                     "servers": info["servers"]})  # fmt: skip
         elif kind == "spawned" and info["label"] == "torchrun":
             err.print(f"[green]started[/] torchrun (pid {info['pid']})")
+        elif kind == "submitted":
+            err.print(f"[green]submitted[/] {info['what']}")
         elif kind == "server_lost":
             err.print(f"[red]lost[/] {info['label']} ({info['why']}); deregistered")
         elif kind == "trainer_exit":
@@ -201,19 +222,56 @@ def run_foreground(plan, home_dir, json_out: bool = False) -> None:
             why = "" if info["state"] == "stopped" else f" ({info['state']})"
             err.print(f"[yellow]stopping[/] {name}{why}")
 
-    sup = Supervisor(plan, home_dir, on_event=on_event, on_line=LinePrinter(err))
-    forward_signals(sup)
-    raise typer.Exit(sup.run())
-
-
-def forward_signals(supervisor) -> None:
-    """Ctrl-C and SIGTERM ask the supervisor to tear down; a second Ctrl-C does too."""
-
     def handler(signum, _frame):
-        supervisor.request_stop("interrupted" if signum == signal.SIGINT else "terminated")
+        sched.request_stop(signum)
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+    try:
+        sched.schedule(request, detach=False, on_event=on_event, on_line=LinePrinter(err))
+    except Stopped as e:
+        raise typer.Exit(e.code) from None
+    raise typer.Exit(0)
+
+
+def run_detached(sched, request, json_out: bool) -> None:
+    """Start the job in the background and return once it is ready; print where it runs."""
+    from areal_cli import console
+
+    plan = request.plan
+    n = len(plan.servers)
+    what = f"{n} server(s)" if n else "the job"
+    with console.err.status(f"starting {what} for {plan.experiment}/{plan.trial} ...") as status:
+
+        def progress(text: str) -> None:
+            status.update(f"{plan.experiment}/{plan.trial}: {text}")
+
+        try:
+            handle = sched.schedule(request, detach=True, on_progress=progress)
+        except KeyboardInterrupt:
+            console.err.print(
+                f"[yellow]interrupted[/]: stopped the starting job {plan.experiment}/{plan.trial}"
+            )
+            raise typer.Exit(130) from None
+    job = sched.describe(handle)
+    servers = [
+        {"addr": s.addr, "pid": s.pid, "gpus": s.gpus, "node": s.node,
+         "log": f"{job.log_dir}/server-{i}.log"}
+        for i, s in enumerate(job.servers)
+    ]  # fmt: skip
+    if json_out:
+        console.print_json({**job.to_json(), "servers": servers})
+        return
+    where = f" (Slurm job {handle.job_id})" if handle.job_id else ""
+    console.out.print(
+        f"[green]ready[/] {handle.name}{where}: {len(servers)} server(s) healthy and registered"
+    )
+    for s in servers:
+        node = f"  node {s['node']}" if handle.job_id and s["node"] else ""
+        console.out.print(
+            f"  http://{s['addr']}  pid {s['pid']}  gpus {s['gpus'] or 'cpu'}{node}  log {s['log']}"
+        )
+    console.out.print(f"stop with: areal stop {handle.name}")
 
 
 def python_default() -> str:

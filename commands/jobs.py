@@ -1,4 +1,4 @@
-"""`areal ps`, `areal logs`, `areal stop`: manage what runs, through job records."""
+"""`areal ps`, `areal logs`, `areal stop`: manage what runs, through each scheduler."""
 
 from __future__ import annotations
 
@@ -33,9 +33,14 @@ def ps(
     home: Path = HomeOpt,
     json_out: bool = JsonOpt,
 ) -> None:
-    from areal_cli import status
+    from areal_cli import schedulers
 
-    jobs_ = status.job_statuses(settings.home(home), include_ended=all_)
+    jobs_ = [
+        j.to_json()
+        for name in schedulers.NAMES
+        for j in schedulers.get(name, home=settings.home(home)).list(include_ended=all_)
+    ]
+    jobs_.sort(key=lambda j: j["started"], reverse=True)
     if json_out:
         console.print_json(jobs_)
         return
@@ -49,19 +54,29 @@ def ps(
 
     t = Table()
     t.add_column("job", no_wrap=True)
-    for col in ("kind", "state", "age", "pids", "servers", "GPUs"):
+    for col in ("kind", "state", "age", "where", "servers", "GPUs"):
         t.add_column(col, no_wrap=col in ("kind", "state", "servers"))
     for j in jobs_:
         servers = "\n".join(
             f"[{'green' if s['healthy'] else 'red'}]{'●' if s['healthy'] else '○'}[/] {s['addr']}"
+            + (" [yellow]paused[/]" if s.get("paused") else "")
             for s in j["servers"]
         )
         gpus_ = ",".join(str(g) for s in j["servers"] for g in s.get("gpus", [])) or "cpu"
         state_color = {"running": "green", "failed": "red", "dead": "red"}.get(j["state"], "yellow")
-        t.add_row(
-            j["name"] + (f"\n[dim]{escape(j['model'])}[/]" if j.get("model") else ""), j["kind"], f"[{state_color}]{j['state']}[/]", _age(j["started"]),
-            " ".join(map(str, j["pids"])), servers or "-", gpus_,
-        )  # fmt: skip
+        state = f"[{state_color}]{j['state']}[/]"
+        if j.get("world_size"):
+            state += f"\nranks {j.get('ranks_alive') or 0}/{j['world_size']}"
+        if j.get("reason"):
+            state += f"\n[dim]{escape(j['reason'])}[/]"
+        if j["scheduler"] == "local":
+            where = "pids " + " ".join(map(str, j["pids"]))
+        else:
+            where = f"{j['scheduler']} {j['job_id']}" + (
+                f"\n{','.join(j['nodes'])}" if j["nodes"] else ""
+            )
+        name = j["name"] + (f"\n[dim]{escape(j['model'])}[/]" if j.get("model") else "")
+        t.add_row(name, j["kind"], state, _age(j["started"]), where, servers or "-", gpus_)
     console.out.print(t)
 
 
@@ -87,64 +102,47 @@ def logs(
     lines: int = typer.Option(50, "--lines", "-n", min=0, help="Lines of history per file."),
     home: Path = HomeOpt,
 ) -> None:
-    from areal_cli import jobs
-    from areal_cli.logfiles import select_logs
-
-    home_dir = settings.home(home)
-    rec = jobs.load(home_dir, *jobs.parse_name(name))
-    files = select_logs(Path(rec.log_dir), role, index)
-    if not files:
-        raise UsageError(
-            f"no log files for {rec.name}"
-            + (f" with role {role}" if role else "")
-            + f" in {rec.log_dir}",
-            hint="roles: server, rank, torchrun, supervisor",
-        )
+    sched, handle = _one_job(name, None, home)
     printer = LinePrinter(console.out)
-    for label in files:
-        printer.colors.setdefault(label, COLORS[len(printer.colors) % len(COLORS)])
-    offsets: dict[str, int] = {}
-    for label, path in files.items():
-        text = path.read_bytes() if path.exists() else b""
-        offsets[label] = len(text)
-        for line in text.decode(errors="replace").splitlines()[-lines:] if lines else []:
-            printer(label, line)
-    if not follow:
-        return
     try:
-        while True:
-            grew = False
-            for label, path in select_logs(Path(rec.log_dir), role, index).items():
-                printer.colors.setdefault(label, COLORS[len(printer.colors) % len(COLORS)])
-                grew |= _print_new(path, label, offsets, printer)
-            if not grew:
-                live = [r for r in jobs.load_all(home_dir, rec.experiment, rec.trial) if r.alive()]
-                if not live:
-                    break
-                time.sleep(0.2)
+        for label, line in sched.log_iter(handle, role, index, follow, lines):
+            printer.colors.setdefault(label, COLORS[len(printer.colors) % len(COLORS)])
+            printer(label, line)
     except KeyboardInterrupt:
         return
 
 
-def _print_new(path: Path, label: str, offsets: dict[str, int], printer) -> bool:
-    try:
-        size = path.stat().st_size
-    except OSError:
-        return False
-    start = offsets.get(label, 0)
-    if size <= start:
-        return False
-    with path.open("rb") as f:
-        f.seek(start)
-        chunk = f.read(size - start)
-    # Print whole lines only; keep a partial last line for the next round.
-    end = chunk.rfind(b"\n") + 1
-    if end == 0:
-        return False
-    offsets[label] = start + end
-    for line in chunk[:end].decode(errors="replace").splitlines():
-        printer(label, line)
-    return True
+def _one_job(name: str, kind: str | None, home):
+    """The job E/T names (the live one first), on whichever scheduler runs it."""
+
+    found = _jobs_of(name, kind, home)
+    if not found:
+        exp, trial = parse_name(name)
+        raise UsageError(
+            f"no job {exp}/{trial}"
+            + (f" of kind {kind}" if kind else "")
+            + f" under {settings.home(home)}",
+            hint="`areal ps --all` lists the jobs this home knows; --home / AREAL_HOME selects another.",
+        )
+    return found[0]
+
+
+def _jobs_of(name: str, kind: str | None, home):
+    from areal_cli import schedulers
+
+    exp, trial = parse_name(name)
+    return schedulers.known_jobs(exp, trial, kind, home=settings.home(home))
+
+
+def parse_name(name: str) -> tuple[str, str]:
+    """'E/T' → (E, T); bad spellings are usage errors."""
+    parts = name.strip("/").split("/")
+    if len(parts) != 2 or not all(parts):
+        raise UsageError(
+            f"job name {name!r} is not EXPERIMENT/TRIAL",
+            hint="for example: areal stop default/trial0 (see `areal ps`)",
+        )
+    return parts[0], parts[1]
 
 
 STOP_HELP = """Stop a trial's jobs, every process they started and their registry entries.
@@ -171,32 +169,41 @@ def stop(
     registry: str = RegistryOpt,
     json_out: bool = JsonOpt,
 ) -> None:
-    from areal_cli import jobs, status
+    from areal_cli import schedulers
+    from areal_cli.schedulers.api import LIVE
 
-    home_dir = settings.home(home)
     if all_ == bool(name):
         raise UsageError(
             "give a job name or --all", hint="areal stop default/trial0 (see areal ps)"
         )
+    if kind is not None and kind not in ("serve", "train"):
+        raise UsageError(f"--kind {kind!r}: choose serve or train")
+    home_dir = settings.home(home)
+    targets = []
     if all_:
         here = settings.hostname()
-        records = [r for r in jobs.list_all(home_dir)[0] if r.state in jobs.LIVE and r.host == here]
+        for sname in schedulers.NAMES:
+            sched = schedulers.get(sname, home=home_dir, registry=registry)
+            targets += [
+                (sched, j.handle)
+                for j in sched.list()
+                if j.state in LIVE and j.host in (here, None)
+            ]
     else:
-        exp, trial = jobs.parse_name(name)
-        if kind is not None and kind not in ("serve", "train"):
-            raise UsageError(f"--kind {kind!r}: choose serve or train")
-        records = (
-            [jobs.load(home_dir, exp, trial, kind)] if kind else jobs.load_all(home_dir, exp, trial)
-        )
-        if not records:
-            jobs.load(home_dir, exp, trial)  # raises the "no job" error with its hint
-        live = [r for r in records if r.alive() and r.state in jobs.LIVE]
-        # Nothing runs: still sweep the newest job's leftovers (processes, registry entries).
-        records = live or records[:1]
+        found = _jobs_of(name, kind, home)
+        if not found:
+            _one_job(name, kind, home)  # raises the "no job" error with its hint
+        live = []
+        for sched, handle in found:
+            job = sched.describe(handle)
+            if job is not None and job.state in LIVE:
+                live.append((sched, handle))
+        # Nothing runs: still sweep every job's leftovers (processes, registry entries).
+        targets = live or found
     results = []
-    for rec in records:
-        with console.err.status(f"stopping {rec.name} ..."):
-            results.append(status.stop_job(home_dir, rec, timeout, settings.registry_url(registry)))
+    for sched, handle in targets:
+        with console.err.status(f"stopping {handle.name} ..."):
+            results.append(sched.cancel(handle, timeout).to_json())
     if json_out:
         console.print_json(results)
         return

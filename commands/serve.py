@@ -6,7 +6,6 @@ from pathlib import Path
 
 import typer
 
-from areal_cli import console, settings
 from areal_cli.errors import UsageError
 
 from ._common import (
@@ -14,12 +13,15 @@ from ._common import (
     HomeOpt,
     JsonOpt,
     RegistryOpt,
+    SchedulerOpt,
     TrialOpt,
     job_names,
     load_config,
     pick,
     python_default,
+    run_detached,
     run_foreground,
+    scheduler_for,
     show_plan,
 )
 
@@ -27,7 +29,7 @@ CONFIG_KEYS = {
     "backend": "str", "model": "str", "alloc": "str", "dp": "posint", "tp": "posint",
     "experiment": "str", "trial": "str", "host": "str", "port_base": "port", "gpus": "str",
     "health_timeout": "float", "python": "str", "api_key": "str", "seed": "int",
-    "extra_args": "list", "allow_unauthenticated_control": "bool",
+    "extra_args": "list", "scheduler": "str", "allow_unauthenticated_control": "bool",
 }  # fmt: skip
 
 HELP = """Start SGLang, vLLM or hf inference servers, wait until healthy, register them.
@@ -110,9 +112,10 @@ def register(app: typer.Typer) -> None:
             "trainer uses (pause, weight updates; vLLM's --api-key covers only /v1).",
             show_default=False,
         ),
+        scheduler: str = SchedulerOpt,
         json_out: bool = JsonOpt,
     ) -> None:
-        from areal_cli import models, planner
+        from areal_cli import models
         from areal_cli.alloc import parse
         from areal_cli.spec import JobSpec, ServerRole
 
@@ -172,65 +175,12 @@ def register(app: typer.Typer) -> None:
             api_key=str(pick(api_key, cfg, "api_key", "auto")),
             health_timeout=float(pick(health_timeout, cfg, "health_timeout", 600.0)),
         )
-        home_dir, reg_root = settings.home(home), settings.registry_url(registry)
-        plan = planner.plan(spec, home_dir, reg_root, check_packages=not dry_run)
+        sched = scheduler_for(scheduler, cfg, home, registry)
+        request = sched.dryrun(spec, check_packages=not dry_run)
         if dry_run:
-            show_plan(plan, json_out)
+            show_plan(request, json_out)
             return
         if detach:
-            _run_detached(plan, home_dir, json_out)
+            run_detached(sched, request, json_out)
         else:
-            run_foreground(plan, home_dir, json_out)
-
-
-def _run_detached(plan, home_dir, json_out: bool) -> None:
-    from areal_cli import launch
-
-    daemon = launch.spawn_detached(plan, home_dir)
-    n = len(plan.servers)
-
-    with console.err.status(
-        f"starting {n} server(s) for {plan.experiment}/{plan.trial} ..."
-    ) as status:
-
-        def progress(rec) -> None:
-            if rec is not None and rec.marker == plan.marker:
-                status.update(
-                    f"{plan.experiment}/{plan.trial}: {rec.state}, {len(rec.processes)}/{n} spawned"
-                )
-
-        try:
-            rec = launch.wait_detached(plan, home_dir, daemon, progress)
-        except KeyboardInterrupt:
-            # Ctrl-C while waiting means "never mind": the starting job goes too.
-            daemon.terminate()
-            daemon.wait()
-            console.err.print(
-                f"[yellow]interrupted[/]: stopped the starting job {plan.experiment}/{plan.trial}"
-            )
-            raise typer.Exit(130) from None
-    servers = [
-        {"addr": p.addr, "pid": p.pid, "gpus": p.gpus, "log": p.log}
-        for p in rec.processes
-        if p.role == "server"
-    ]
-    if json_out:
-        console.print_json(
-            {
-                "experiment": rec.experiment,
-                "trial": rec.trial,
-                "state": rec.state,
-                "supervisor_pid": rec.supervisor_pid,
-                "servers": servers,
-                "log_dir": rec.log_dir,
-            }
-        )
-        return
-    console.out.print(
-        f"[green]ready[/] {rec.name}: {len(servers)} server(s) healthy and registered"
-    )
-    for s in servers:
-        console.out.print(
-            f"  http://{s['addr']}  pid {s['pid']}  gpus {s['gpus'] or 'cpu'}  log {s['log']}"
-        )
-    console.out.print(f"stop with: areal stop {rec.name}")
+            run_foreground(sched, request, json_out)

@@ -15,12 +15,14 @@ from ._common import (
     HomeOpt,
     JsonOpt,
     RegistryOpt,
+    SchedulerOpt,
     TrialOpt,
     job_names,
     load_config,
     pick,
     python_default,
     run_foreground,
+    scheduler_for,
     show_plan,
 )
 
@@ -29,7 +31,7 @@ CONFIG_KEYS = {
     "min_servers": "posint", "wait_servers": "float", "nnodes": "posint", "node_rank": "int",
     "master_addr": "str", "master_port": "port", "gpus": "str", "debug_preset": "str",
     "model": "str", "python": "str", "health_timeout": "float", "api_key": "str",
-    "areal_overrides": "bool",
+    "areal_overrides": "bool", "scheduler": "str",
 }  # fmt: skip
 
 HELP = """Run training workers with torchrun against inference servers.
@@ -122,9 +124,10 @@ def register(app: typer.Typer) -> None:
         dry_run: bool = typer.Option(
             False, "--dry-run", help="Print the torchrun command, env and GPUs; start nothing."
         ),
+        scheduler: str = SchedulerOpt,
         json_out: bool = JsonOpt,
     ) -> None:
-        from areal_cli import discovery, models, planner
+        from areal_cli import discovery, models
         from areal_cli.alloc import parse
         from areal_cli.registry import open_registry
         from areal_cli.spec import JobSpec, ServerRole, TrainerRole
@@ -234,6 +237,8 @@ def register(app: typer.Typer) -> None:
                     f"[green]servers[/] {len(found.addrs)} {found.backend}: "
                     f"{', '.join(found.addrs) or '(none yet)'}"
                 )
+                for addr, why in found.skipped:
+                    console.err.print(f"[yellow]left out[/] {addr}: {why}")
         spec = JobSpec(
             experiment=experiment,
             trial=trial,
@@ -247,11 +252,12 @@ def register(app: typer.Typer) -> None:
             external_backend=found.backend if found else None,
             external_api_key=found.api_key if found else None,
         )
-        plan = planner.plan(spec, home_dir, reg_root, check_packages=not dry_run)
+        sched = scheduler_for(scheduler, cfg, home, registry)
+        request = sched.dryrun(spec, check_packages=not dry_run)
         if dry_run:
-            show_plan(plan, json_out)
+            show_plan(request, json_out)
             return
-        run_foreground(plan, home_dir)
+        run_foreground(sched, request)
 
 
 def _explicit_key(flag: str | None) -> str | None:

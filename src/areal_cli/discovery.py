@@ -1,16 +1,23 @@
-"""Finding inference servers for a training job: the registry (waiting for them) or a list."""
+"""Finding inference servers for a training job: the registry (waiting for them) or a list.
+
+Only servers we may trust get the job's API key: those whose registry metadata says the job
+that holds the key started them. Probing honours the caller's deadline: many probes run at
+once, each bounded by the time that is left.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from areal_cli import jobs
+from areal_cli import apikeys
 from areal_cli.errors import UsageError, WaitTimeout
 from areal_cli.health import probe_health
 from areal_cli.registry import Registry, ServerEntry
+
+MAX_PROBES = 64  # health probes in flight at once
 
 
 @dataclass(frozen=True)
@@ -19,9 +26,13 @@ class Found:
     backend: str
     api_key: str | None
     entries: list[ServerEntry]
+    # Registered servers left out, and why (a key we do not hold, another job's key).
+    skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
 def healthy(addrs: list[str], api_key: str | None = None, timeout: float = 2.0) -> dict[str, bool]:
+    """addr → answers /health within `timeout` (all probed at once, up to MAX_PROBES)."""
+    addrs = list(dict.fromkeys(addrs))
     if not addrs:
         return {}
     from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +41,7 @@ def healthy(addrs: list[str], api_key: str | None = None, timeout: float = 2.0) 
         host, _, port = addr.rpartition(":")
         return probe_health(host.strip("[]"), int(port), "/health", api_key, timeout=timeout)
 
-    with ThreadPoolExecutor(max_workers=min(16, len(addrs))) as ex:
+    with ThreadPoolExecutor(max_workers=min(MAX_PROBES, len(addrs))) as ex:
         return dict(zip(addrs, ex.map(one, addrs), strict=True))
 
 
@@ -73,10 +84,11 @@ def from_registry(
     deadline = time.monotonic() + wait
     delay = 0.05
     while True:
-        entries = registry.list(experiment, trial).servers
-        key = _api_key(home, entries)
-        status = healthy([e.addr for e in entries], key, timeout=1.0)
-        good = [e for e in entries if status.get(e.addr)]
+        entries = _unique(registry.list(experiment, trial).servers)
+        usable, key, skipped = trusted(home, entries)
+        left = deadline - time.monotonic()
+        status = healthy([e.addr for e in usable], key, timeout=max(0.2, min(2.0, left)))
+        good = [e for e in usable if status.get(e.addr)]
         left = deadline - time.monotonic()
         if on_progress:
             on_progress(len(good), max(0.0, left))
@@ -88,27 +100,55 @@ def from_registry(
                     hint="serve one backend per trial, or pick servers with --servers",
                 )
             backend = backends.pop() if backends else "sglang"
-            return Found([e.addr for e in good], backend, key, good)
+            return Found([e.addr for e in good], backend, key, good, skipped)
         if left <= 0:
             where = registry.where(experiment, trial)
+            why = "".join(f"\n  left out {addr}: {reason}" for addr, reason in skipped)
             raise WaitTimeout(
                 f"found {len(good)} healthy server(s) of {experiment}/{trial}, need {min_servers}, "
-                f"after waiting {wait:g}s; searched {where}",
+                f"after waiting {wait:g}s; searched {where}" + why,
                 hint=f"start them with: areal serve --model MODEL --experiment {experiment} "
                 f"--trial {trial} --detach   (or pass --servers host:port,...)",
             )
-        time.sleep(min(delay, left, 0.5))
+        time.sleep(max(0.0, min(delay, left, 0.5)))
         delay *= 2
 
 
-def _api_key(home: Path, entries: list[ServerEntry]) -> str | None:
-    """Servers that need a key were started by a job of ours that stored it (user-only file)."""
+def _unique(entries: list[ServerEntry]) -> list[ServerEntry]:
+    """One entry per address: two entries naming one server are one server."""
+    seen: dict[str, ServerEntry] = {}
     for e in entries:
-        if e.api_key_required and e.job:
-            try:
-                for rec in jobs.load_all(home, *jobs.parse_name(e.job)):
-                    if rec.api_key_file and Path(rec.api_key_file).exists():
-                        return Path(rec.api_key_file).read_text().strip()
-            except (UsageError, OSError):
-                continue
-    return None
+        seen.setdefault(e.addr, e)
+    return list(seen.values())
+
+
+def trusted(
+    home: Path, entries: list[ServerEntry]
+) -> tuple[list[ServerEntry], str | None, list[tuple[str, str]]]:
+    """(servers to use, the key for them, servers left out with the reason).
+
+    A key goes only to the servers of the job that stored it (same marker). When some
+    servers need a key, the servers of one such job are used and every other server is
+    left out: it would receive a key that is not its own."""
+    keyed = [e for e in entries if e.api_key_required]
+    if not keyed:
+        return entries, None, []
+    use: list[ServerEntry] = []
+    key = None
+    for e in keyed:
+        if not e.job or "/" not in e.job:
+            continue
+        held = apikeys.load(apikeys.key_file(home, *e.job.split("/", 1)))
+        if held and held[0] == e.marker:
+            key = held[1]
+            use = [x for x in keyed if x.marker == e.marker]
+            break
+    if key is None:
+        plain = [e for e in entries if not e.api_key_required]
+        return plain, None, [(e.addr, "needs an API key this user does not hold") for e in keyed]
+    skipped = [
+        (e.addr, "not started by the job whose API key the others need")
+        for e in entries
+        if e not in use
+    ]
+    return use, key, skipped

@@ -1,8 +1,15 @@
-"""A trial's log files by role: server-N.log, rank-N.log, torchrun.log, supervisor-*.log."""
+"""A trial's log files and how to read them: server-N.log, rank-N.log, torchrun*.log,
+supervisor-*.log, all in one folder (on a shared filesystem under Slurm).
+
+Every process writes its own file; nobody reads a pipe. Following a job (the foreground
+terminal, `areal logs -f`) is reading those files as they grow.
+"""
 
 from __future__ import annotations
 
 import re
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from areal_cli.errors import UsageError
@@ -25,8 +32,8 @@ def select_logs(
                 found.append(
                     (ROLES.index(m.group(1)), int(m.group(2)), f"{m.group(1)}-{m.group(2)}", p)
                 )
-            elif p.name == "torchrun.log":
-                found.append((ROLES.index("torchrun"), 0, "torchrun", p))
+            elif p.name.startswith("torchrun") and p.suffix == ".log":
+                found.append((ROLES.index("torchrun"), 0, p.stem, p))
             elif p.name.startswith("supervisor") and p.suffix == ".log":
                 found.append((ROLES.index("supervisor"), 0, p.stem, p))
     out = {}
@@ -37,3 +44,94 @@ def select_logs(
             continue
         out[label] = path
     return out
+
+
+def tail(path: str | Path, n: int = 20, max_bytes: int = 64 * 1024) -> list[str]:
+    """The last `n` lines of a file (reading at most its last `max_bytes`)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read()
+    except OSError:
+        return []
+    return data.decode(errors="replace").splitlines()[-n:] if n else []
+
+
+class Follower:
+    """New whole lines of a folder's log files, file by file, as they grow."""
+
+    def __init__(
+        self,
+        log_dir: Path,
+        role: str | None = None,
+        index: int | None = None,
+        history: int = 0,
+        roles: tuple[str, ...] = ROLES,
+    ):
+        self.log_dir, self.role, self.index, self.roles = Path(log_dir), role, index, roles
+        self.history = history
+        self.offsets: dict[str, int] = {}
+
+    def poll(self) -> Iterator[tuple[str, str]]:
+        for label, path in select_logs(self.log_dir, self.role, self.index).items():
+            if not label.startswith(self.roles):
+                continue
+            if label not in self.offsets:
+                yield from self._start(label, path)
+            yield from self._new(label, path)
+
+    def _start(self, label: str, path: Path) -> Iterator[tuple[str, str]]:
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return
+        self.offsets[label] = 0 if self.history is None else size
+        if self.history:
+            for line in tail(path, self.history, max_bytes=max(64 * 1024, self.history * 512)):
+                yield label, line
+
+    def _new(self, label: str, path: Path) -> Iterator[tuple[str, str]]:
+        start = self.offsets[label]
+        try:
+            size = path.stat().st_size
+            if size < start:  # replaced by a new run of the same job
+                start = 0
+            if size == start:
+                return
+            with path.open("rb") as f:
+                f.seek(start)
+                chunk = f.read(size - start)
+        except OSError:
+            return
+        # Whole lines only; a partial last line waits for the next round.
+        end = chunk.rfind(b"\n") + 1
+        if end == 0:
+            return
+        self.offsets[label] = start + end
+        for line in chunk[:end].decode(errors="replace").splitlines():
+            yield label, line
+
+
+def follow_in_background(
+    log_dir: Path,
+    on_line: Callable[[str, str], None],
+    stop: threading.Event,
+    interval: float = 0.05,
+) -> threading.Thread:
+    """Feed every new line of the folder's server, rank and torchrun logs to `on_line` until
+    `stop` is set (then once more, so the last lines are not lost)."""
+    follower = Follower(log_dir, history=None, roles=("server", "rank", "torchrun"))
+
+    def loop() -> None:
+        while True:
+            stopping = stop.wait(interval)
+            for label, line in follower.poll():
+                on_line(label, line)
+            if stopping:
+                return
+
+    t = threading.Thread(target=loop, name="log-follower", daemon=True)
+    t.start()
+    return t

@@ -1,6 +1,7 @@
 """Pure data: what a job is (JobSpec) and the concrete processes it becomes (Plan).
 
-flags + YAML → JobSpec → Scheduler.plan() → Plan → Supervisor.run() → registry.
+flags + YAML → JobSpec → Scheduler.dryrun() → Request (a Plan) → Scheduler.schedule()
+→ processes → registry.
 Nothing here starts a process or touches the network.
 """
 
@@ -110,6 +111,8 @@ class Plan:
     health_timeout: float = 600.0
     model_path: str | None = None
     tp: int = 1
+    scheduler: str = "local"
+    registry_ttl: float = 30.0  # seconds a registered server outlives its last renewal
 
     @property
     def servers(self) -> list[ProcessPlan]:
@@ -121,17 +124,34 @@ class Plan:
 
     def to_json(self, redact: bool = True) -> dict:
         d = asdict(self)
-        if redact and self.api_key:
-            d["api_key"] = "<set>"
+        if redact:
+            d["api_key"] = "<set>" if self.api_key else None
             for p in d["processes"]:
-                p["argv"] = [("<api-key>" if a == self.api_key else a) for a in p["argv"]]
-                p["env"] = {
-                    k: ("<api-key>" if v == self.api_key else v) for k, v in p["env"].items()
-                }
+                p["argv"] = self.redact(p["argv"])
+                p["env"] = {k: ("<api-key>" if _is_key_var(k) else v) for k, v in p["env"].items()}
         return d
+
+    @staticmethod
+    def redact(argv: list[str]) -> list[str]:
+        """argv with the value of any --api-key replaced (only there: a key of "1" must not
+        hide every 1 of the command line)."""
+        out, prev = [], None
+        for a in argv:
+            if prev == "--api-key":
+                out.append("<api-key>")
+            elif a.startswith("--api-key="):
+                out.append("--api-key=<api-key>")
+            else:
+                out.append(a)
+            prev = a
+        return out
 
     @classmethod
     def from_json(cls, d: dict) -> Plan:
         d = dict(d)
         d["processes"] = [ProcessPlan(**p) for p in d.get("processes", [])]
         return cls(**d)
+
+
+def _is_key_var(name: str) -> bool:
+    return name.endswith("API_KEY")

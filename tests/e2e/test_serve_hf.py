@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import stat
 import urllib.error
 import urllib.request
 
 import pytest
 
+from areal_cli import apikeys
 from areal_cli.registry import FileRegistry
 from tests.helpers import REPO, areal
 
@@ -39,9 +39,9 @@ def test_serve_beyond_loopback_requires_the_generated_key(tiny, areal_env, tmp_p
     try:
         (server,) = json.loads(out.stdout)["servers"]
         port = server["addr"].rsplit(":", 1)[1]
-        key_file = home / "jobs" / os.environ.get("USER", "root") / "default" / "trial0" / "api_key"
+        key_file = apikeys.key_file(home, "default", "trial0")
         assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
-        key = key_file.read_text().strip()
+        key = json.loads(key_file.read_text())["key"]
         (entry,) = FileRegistry(reg).list("default", "trial0").servers
         assert entry.api_key_required and entry.backend == "hf"
         url = f"http://127.0.0.1:{port}/generate"

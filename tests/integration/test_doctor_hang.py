@@ -22,8 +22,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from areal_cli import jobs, procs, settings
+from areal_cli import procs, settings
 from areal_cli.diagnose import stacks
+from areal_cli.schedulers.local import records as jobs
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = ROOT / "tests" / "scenarios"
@@ -415,8 +416,9 @@ def test_job_record_target_and_out_bundle(blocked, tmp_path):
         kind="train",
         state="running",
         marker=s.marker,
-        supervisor_pid=os.getpid(),
-        supervisor_create_time=procs.create_time(os.getpid()),
+        # The job's own tree: torchrun stands in for the supervisor above it.
+        supervisor_pid=s.proc.pid,
+        supervisor_create_time=procs.create_time(s.proc.pid),
         host=settings.hostname(),
         started=time.time(),
         log_dir=str(tmp_path),

@@ -264,7 +264,7 @@ def test_extra_backend_args_pass_through_and_debug_shows_traceback(model, tmp_pa
 
 
 def _record(home, name, host, pid, state, create_time):
-    from areal_cli import jobs
+    from areal_cli.schedulers.local import records as jobs
 
     exp, trial = name.split("/")
     rec = jobs.JobRecord(

@@ -4,8 +4,9 @@ import time
 
 import pytest
 
-from areal_cli import gpus, jobs
+from areal_cli import gpus
 from areal_cli.errors import UsageError
+from areal_cli.schedulers.local import records as jobs
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
 

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from areal_cli import planner
 from areal_cli.errors import UsageError
+from areal_cli.schedulers.local import planner
 from areal_cli.spec import JobSpec, ServerRole, TrainerRole
 
 # From `python -m sglang.launch_server --help` / the server-arguments page.
@@ -93,7 +93,8 @@ def test_trainer_takes_gpus_no_server_holds(tmp_path, four_gpus):
 
 
 def test_gpus_and_ports_of_jobs_still_starting_are_taken(tmp_path, four_gpus):
-    from areal_cli import jobs, procs, settings
+    from areal_cli import procs, settings
+    from areal_cli.schedulers.local import records as jobs
 
     rec = jobs.JobRecord(
         experiment="other", trial="t", kind="serve", state="starting", marker="m",

@@ -314,10 +314,10 @@ def _health(addr: str, timeout: float) -> tuple[bool, str]:
 def leftovers_row(home: Path) -> Row:
     """Processes of earlier jobs still alive: marked with a job whose supervisor is gone, or
     torchrun workers whose launcher died; and which GPUs and ports they hold."""
-    from areal_cli import jobs
+    from areal_cli.schedulers import get
+    from areal_cli.schedulers.api import LIVE
 
-    records, _ = jobs.list_all(home)
-    live_markers = {r.marker for r in records if r.alive()}
+    live_markers = {j.marker for j in get("local", home=home).list() if j.state in LIVE}
     me = os.getpid()
     uid = os.getuid()
     orphans: list[tuple[psutil.Process, str]] = []

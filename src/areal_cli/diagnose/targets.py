@@ -163,38 +163,46 @@ def _from_pids(pids: list[int]) -> list[Job]:
 
 
 def _from_job(name: str, home: str | Path | None) -> Job:
-    from areal_cli import jobs
+    from areal_cli import schedulers
 
-    experiment, trial = jobs.parse_name(name)
-    record = jobs.load(settings.home(home), experiment, trial)
+    parts = name.strip("/").split("/")
+    if len(parts) != 2 or not all(parts):
+        raise UsageError(f"job name {name!r} is not EXPERIMENT/TRIAL", hint="see `areal ps`")
+    found = schedulers.known_jobs(*parts, home=settings.home(home))
+    jobs = [s.describe(h) for s, h in found]
+    jobs = [j for j in jobs if j is not None]
+    if not jobs:
+        raise UsageError(
+            f"no job {name} under {settings.home(home)}",
+            hint="`areal ps --all` lists the jobs this home knows",
+        )
+    # The training job if there is one: that is where ranks live.
+    job = next((j for j in jobs if j.handle.kind != "serve"), jobs[0])
     tree = _Tree()
-    roots = [p for p in record.pids if procs.pid_alive(p)]
+    roots = [p for p in job.pids if procs.pid_alive(p)]
     candidates = {pid for root in roots for pid in tree.descendants(root)}
-    if record.marker:
-        candidates.update(p.pid for p in procs.find_marked(record.marker))
+    if job.marker:
+        candidates.update(p.pid for p in procs.find_marked(job.marker))
     ranks = tree.topmost_ranks(candidates)
     if not ranks:
         raise UsageError(
-            f"job {record.name} has no live rank processes on this host (state: {record.state})",
-            hint=f"`areal ps` shows its state; `areal logs {record.name}` shows why it ended",
+            f"job {job.handle.name} has no live rank processes on this host (state: {job.state})",
+            hint=f"`areal ps` shows its state; `areal logs {job.handle.name}` shows why it ended",
         )
-    return Job(
-        label=f"job {record.name}",
-        ranks=_number(ranks),
-        launcher_pid=next((p.pid for p in record.processes if p.role == "trainer"), None),
-        name=record.name,
-    )
+    launcher = next((p for p in job.pids[1:] if procs.pid_alive(p)), None)
+    return Job(label=f"job {job.handle.name}", ranks=_number(ranks), launcher_pid=launcher,
+               name=job.handle.name)  # fmt: skip
 
 
 def _discover() -> list[Job]:
     """Every torchrun/areal job of this user on this host, plus orphaned ranks whose launcher
     died (grouped by their rendezvous address)."""
-    tree = _Tree(["uids", "cmdline", "name", "exe"])
+    tree = _Tree()
     mine = {os.getpid(), *tree.ancestors(os.getpid())}
     uid = os.getuid()
     launchers: list[psutil.Process] = []
     pythons: list[psutil.Process] = []
-    for p in tree.procs.values():
+    for p in psutil.process_iter(["uids", "cmdline", "name", "exe"]):
         try:
             if p.pid in mine or (p.info["uids"] and p.info["uids"].real != uid):
                 continue
@@ -235,17 +243,34 @@ def _discover() -> list[Job]:
 
 
 class _Tree:
-    """Every process on this host and its parent, read in one pass over /proc."""
+    """Every process on this host and its parent, from one pass over /proc/*/stat (psutil's
+    process_iter would build a Process object for each: several times slower on a busy
+    node). psutil takes over for the few processes looked at closely."""
 
-    def __init__(self, attrs: list[str] | None = None) -> None:
+    def __init__(self) -> None:
         self.procs: dict[int, psutil.Process] = {}
         self.parent: dict[int, int] = {}
         self.children: dict[int, list[int]] = {}
-        for p in psutil.process_iter(["ppid", *(attrs or [])]):
-            ppid = p.info.get("ppid") or 0
-            self.procs[p.pid] = p
-            self.parent[p.pid] = ppid
-            self.children.setdefault(ppid, []).append(p.pid)
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    stat = f.read()
+                ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue  # exited meanwhile
+            pid = int(entry.name)
+            self.parent[pid] = ppid
+            self.children.setdefault(ppid, []).append(pid)
+
+    def proc(self, pid: int) -> psutil.Process | None:
+        if pid not in self.procs:
+            try:
+                self.procs[pid] = psutil.Process(pid)
+            except psutil.Error:
+                return None
+        return self.procs[pid]
 
     def ancestors(self, pid: int) -> list[int]:
         out, seen = [], {pid}
@@ -258,7 +283,7 @@ class _Tree:
 
     def descendants(self, root: int) -> list[int]:
         """The root (when it still runs) and everything under it."""
-        out, todo = [], [root] if root in self.procs else []
+        out, todo = [], [root] if root in self.parent else []
         while todo:
             pid = todo.pop()
             out.append(pid)
@@ -272,12 +297,9 @@ class _Tree:
         """The processes among `pids` that carry RANK and have no such ancestor among them."""
         with_rank: dict[int, RankProc] = {}
         for pid in pids:
-            p = self.procs.get(pid)
+            p = self.proc(pid)
             if p is None:
-                try:
-                    p = psutil.Process(pid)
-                except psutil.Error:
-                    continue
+                continue
             try:
                 if p.status() == psutil.STATUS_ZOMBIE or not is_python(p):
                     continue

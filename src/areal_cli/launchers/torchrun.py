@@ -1,5 +1,9 @@
 """torchrun in one place: its argv, its rendezvous, and its output split per rank.
 
+    python -m areal_cli.launchers.torchrun --log-dir D -- python -m torch.distributed.run ...
+
+runs one node's torchrun and writes rank-N.log per global rank and torchrun.log beside them.
+
 Every scheduler (local processes, Slurm steps) and `areal doctor allreduce` launch workers
 through `argv()`, so the rendezvous rules live here:
 
@@ -84,12 +88,77 @@ def split_rank(line: bytes) -> tuple[int | None, bytes]:
 
 
 def rendezvous_port(pid: int) -> int | None:
-    """The TCP port the torchrun agent `pid` listens on (its c10d store), once it does."""
+    """The TCP port a torchrun agent listens on (its c10d store), once it does; `pid` is the
+    agent or the node runner that started it."""
     import psutil
 
     try:
-        conns = psutil.Process(pid).net_connections(kind="tcp")
+        proc = psutil.Process(pid)
+        agents = [proc, *proc.children()]
     except psutil.Error:
         return None
-    ports = sorted(c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN and c.laddr)
-    return ports[0] if ports else None
+    for agent in agents:
+        try:
+            conns = agent.net_connections(kind="tcp")
+        except psutil.Error:
+            continue
+        ports = sorted(c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN and c.laddr)
+        if ports:
+            return ports[0]
+    return None
+
+
+def run_node(argv: list[str], log_dir: str | Path, own_log: str = "torchrun.log") -> int:
+    """Run one node's torchrun, splitting its output into rank-N.log per global rank and
+    `own_log` for torchrun's own lines. Returns its exit code (128+signal when killed)."""
+    import os
+    import signal
+    import subprocess
+
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    files: dict[str, int] = {}
+
+    def fd(name: str) -> int:
+        if name not in files:
+            # A new run of the job starts its logs afresh.
+            files[name] = os.open(log_dir / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        return files[name]
+
+    fd(own_log)
+    proc = subprocess.Popen(
+        argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    # torchrun turns SIGTERM/SIGINT into stopping its workers; pass them on.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, _f: proc.send_signal(s))
+    assert proc.stdout is not None
+    for raw in iter(proc.stdout.readline, b""):
+        rank, body = split_rank(raw)
+        os.write(fd(f"rank-{rank}.log" if rank is not None else own_log), body)
+    code = proc.wait()
+    for f in files.values():
+        os.close(f)
+    return 128 - code if code < 0 else code
+
+
+def main(args: list[str] | None = None) -> int:
+    """python -m areal_cli.launchers.torchrun --log-dir D [--own-log NAME] -- TORCHRUN ARGV"""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m areal_cli.launchers.torchrun")
+    ap.add_argument("--log-dir", required=True)
+    ap.add_argument("--own-log", default="torchrun.log")
+    ap.add_argument("argv", nargs=argparse.REMAINDER)
+    a = ap.parse_args(args if args is not None else sys.argv[1:])
+    argv = a.argv[1:] if a.argv[:1] == ["--"] else a.argv
+    if not argv:
+        ap.error("give the torchrun command after --")
+    return run_node(argv, a.log_dir, a.own_log)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -14,11 +14,12 @@ import sys
 import uuid
 from pathlib import Path
 
-from areal_cli import backends, gpus, jobs, procs, settings
+from areal_cli import apikeys, backends, gpus, procs, settings
 from areal_cli.errors import UsageError
 from areal_cli.launchers import torchrun
 from areal_cli.parallel import MESH_ENV, ParallelDims
 from areal_cli.registry import Registry, open_registry
+from areal_cli.schedulers.local import records
 from areal_cli.spec import JobSpec, Plan, ProcessPlan, ServerRole, TrainerRole
 
 DEFAULT_PORT_BASE = 30000
@@ -34,7 +35,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def resolve_api_key(flag: str, host: str, key_file: Path) -> str | None:
+def resolve_api_key(flag: str, host: str) -> str | None:
     """`auto`: a generated key when bound beyond loopback; `none`: no key; else the key."""
     if flag == "none":
         return None
@@ -56,8 +57,8 @@ def held_by_others(registry: Registry, home: Path) -> tuple[dict[int, str], set[
         if e.host == me:
             for g in e.gpus:
                 gpus_[g] = f"{e.experiment}/{e.trial} {e.addr}"
-    for rec in jobs.list_all(home)[0]:
-        if rec.host != me or rec.state not in jobs.LIVE or not rec.alive():
+    for rec in records.list_all(home)[0]:
+        if rec.host != me or rec.state not in records.LIVE or not rec.alive():
             continue
         for p in rec.processes:
             for g in p.gpus:
@@ -71,7 +72,6 @@ def plan(spec: JobSpec, home: Path, registry_url: str, check_packages: bool = Tr
     log_dir = settings.log_dir(home, spec.experiment, spec.trial)
     registry = open_registry(registry_url)
     marker = f"{MARKER_PREFIX}-{spec.experiment}-{spec.trial}-{uuid.uuid4().hex[:8]}"
-    job_dir = home / "jobs" / settings.user() / spec.experiment / spec.trial
     p = Plan(
         experiment=spec.experiment,
         trial=spec.trial,
@@ -88,10 +88,10 @@ def plan(spec: JobSpec, home: Path, registry_url: str, check_packages: bool = Tr
 
     if spec.servers:
         role = spec.servers
-        key = resolve_api_key(spec.api_key, role.host, job_dir / "api_key")
+        key = resolve_api_key(spec.api_key, role.host)
         if key:
             p.api_key = key
-            p.api_key_file = str(job_dir / "api_key")
+            p.api_key_file = str(apikeys.key_file(home, spec.experiment, spec.trial))
         free = _plan_servers(p, role, inventory, free, held, log_dir, check_packages, busy_ports)
         # As the user gave it (a hub id stays a hub id), for the registry and `areal ps`.
         p.model_path = role.model_path + (f"@{role.revision}" if role.revision else "")

@@ -1,9 +1,9 @@
-"""Running a plan: in the foreground (the caller's process supervises) or detached (a daemon
-supervises and we return once the job is ready)."""
+"""Detached jobs: a daemon supervises (in a session of its own) and the command returns once
+the job is ready. The command takes the trial's slot first and hands the lock to the daemon,
+so a second start of the same job is refused at once, whatever the timing."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -11,32 +11,30 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from areal_cli import jobs, procs, settings
+from areal_cli import logfiles, procs, settings
 from areal_cli.errors import EXIT_TIMEOUT, LaunchError, WaitTimeout
+from areal_cli.schedulers.local import records
 from areal_cli.spec import Plan
 
 
-def spawn_detached(plan: Plan, home: Path) -> subprocess.Popen:
-    """Start `python -m areal_cli.supervisor` in a session of its own."""
-    jobs.refuse_if_running(home, plan.experiment, plan.trial, plan.kind)
-    job_dir = jobs.record_path(home, plan.experiment, plan.trial, plan.kind).parent
-    settings.ensure_dir(job_dir)
+def spawn_detached(plan: Plan, home: Path, claim: records.Claim) -> subprocess.Popen:
+    """Start the supervisor daemon; it inherits the claim's locks."""
     settings.ensure_dir(plan.log_dir)
-    plan_file = job_dir / f".{jobs.slot(plan.kind)}-plan.json"
-    # The plan may hold the API key: readable by the user only.
-    fd = os.open(plan_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(plan.to_json(redact=False), f)
     log = open(supervisor_log(plan), "wb")  # noqa: SIM115 - handed to the child
     env = {k: v for k, v in os.environ.items() if k != procs.MARKER_ENV}
+    argv = [sys.executable, "-m", "areal_cli.schedulers.local.supervisor", str(claim.plan_file)]
+    argv += ["--home", str(home)]
+    for fd in claim.fds:
+        argv += ["--slot-fd", str(fd)]
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "areal_cli.supervisor", str(plan_file), "--home", str(home)],
+            argv,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env=env,
+            pass_fds=claim.fds,
         )
     finally:
         log.close()
@@ -46,9 +44,9 @@ def wait_detached(
     plan: Plan,
     home: Path,
     daemon: subprocess.Popen,
-    on_progress: Callable[[jobs.JobRecord | None], None] | None = None,
-) -> jobs.JobRecord:
-    """Block until the detached job is running (or trained to its end), or failed."""
+    on_progress: Callable[[records.JobRecord | None], None] | None = None,
+) -> records.JobRecord:
+    """Block until the detached job is running, or failed."""
     deadline = time.monotonic() + plan.health_timeout + 30
     while True:
         rec = _read(home, plan)
@@ -65,14 +63,13 @@ def wait_detached(
                     hint=f"logs: {plan.log_dir} (areal logs {rec.name})",
                 )
         code = daemon.poll()
-        if code is not None and (rec is None or rec.state not in ("running",)):
+        if code is not None:
             rec = _read(home, plan)
             if rec and rec.marker == plan.marker and rec.state != "starting":
                 continue
-            tail = _tail(supervisor_log(plan))
             raise LaunchError(
                 f"the job's supervisor exited ({code}) before the job was ready",
-                detail=tail,
+                detail="\n".join(logfiles.tail(supervisor_log(plan), 15)),
                 hint=f"full log: {supervisor_log(plan)}",
             )
         if time.monotonic() > deadline:
@@ -81,18 +78,11 @@ def wait_detached(
 
 
 def supervisor_log(plan: Plan) -> Path:
-    return Path(plan.log_dir) / f"supervisor-{jobs.slot(plan.kind)}.log"
+    return Path(plan.log_dir) / f"supervisor-{records.slot(plan.kind)}.log"
 
 
-def _read(home: Path, plan: Plan) -> jobs.JobRecord | None:
+def _read(home: Path, plan: Plan) -> records.JobRecord | None:
     try:
-        return jobs.load(home, plan.experiment, plan.trial, plan.kind)
+        return records.load(home, plan.experiment, plan.trial, plan.kind)
     except Exception:
         return None
-
-
-def _tail(path: Path, n: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""

@@ -35,6 +35,7 @@ class ProcessRecord:
     gpus: list[int] = field(default_factory=list)
     create_time: float | None = None
     exit_code: int | None = None
+    server_pid: int | None = None  # the server a replica runner started, once it registered
 
 
 @dataclass
@@ -65,7 +66,8 @@ class JobRecord:
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
+        """Every process the job started that it knows of: runners and their servers."""
+        return [pid for p in self.processes for pid in (p.pid, p.server_pid) if pid]
 
     def alive(self) -> bool:
         """The supervisor still runs (same process, not a reused pid)."""
@@ -122,7 +124,7 @@ def write(home: Path, record: JobRecord) -> Path:
 def load_all(home: Path, experiment: str, trial: str) -> list[JobRecord]:
     """The records of one experiment/trial (serve and/or train), live ones first."""
     d = jobs_root(home) / experiment / trial
-    recs = [_read(d / f"{k}.json") for k in ("serve", "train") if (d / f"{k}.json").exists()]
+    recs = [read(d / f"{k}.json") for k in ("serve", "train") if (d / f"{k}.json").exists()]
     recs.sort(key=lambda r: (not (r.alive() and r.state in LIVE), r.kind != "train", -r.started))
     return recs
 
@@ -132,7 +134,7 @@ def load(home: Path, experiment: str, trial: str, kind: str | None = None) -> Jo
     serving job, else the newest."""
     if kind is not None:
         path = record_path(home, experiment, trial, kind)
-        recs = [_read(path)] if path.exists() else []
+        recs = [read(path)] if path.exists() else []
     else:
         recs = load_all(home, experiment, trial)
     if not recs:
@@ -145,7 +147,7 @@ def load(home: Path, experiment: str, trial: str, kind: str | None = None) -> Jo
     return recs[0]
 
 
-def _read(path: Path) -> JobRecord:
+def read(path: Path) -> JobRecord:
     try:
         return JobRecord.from_json(json.loads(path.read_text()))
     except (OSError, ValueError, TypeError, KeyError) as e:
@@ -163,7 +165,7 @@ def list_all(home: Path) -> tuple[list[JobRecord], list[str]]:
         return [], []
     for path in [*root.glob("*/*/serve.json"), *root.glob("*/*/train.json")]:
         try:
-            records.append(_read(path))
+            records.append(read(path))
         except UsageError:
             bad.append(str(path))
     records.sort(key=lambda r: r.started, reverse=True)
@@ -182,24 +184,88 @@ def parse_name(name: str) -> tuple[str, str]:
 
 
 def lock_slot(home: Path, experiment: str, trial: str, kind: str):
-    """Hold the trial's serve or train slot for this process's lifetime (the kernel drops
-    the lock when it dies, even by SIGKILL). Two jobs racing for one slot: one gets it."""
+    """Hold the trial's serve or train slot (the kernel drops the lock when its holder dies,
+    even by SIGKILL). Two jobs racing for one slot: one gets it, the other is refused at
+    once, with the holder named."""
     import fcntl
 
     path = record_path(home, experiment, trial, kind).with_suffix(".lock")
     from areal_cli.settings import ensure_dir
 
     ensure_dir(path.parent)
-    f = open(path, "w")  # noqa: SIM115 - held open as the lock
+    f = open(path, "a+")  # noqa: SIM115 - held open as the lock; never truncated unlocked
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip()
         f.close()
         raise UsageError(
-            f"another {slot(kind)} job of {experiment}/{trial} is starting or running",
+            f"another {slot(kind)} job of {experiment}/{trial} is starting or running"
+            + (f" ({holder})" if holder else ""),
             hint=f"see `areal ps`, stop it (areal stop {experiment}/{trial}) or pick another --trial",
         ) from None
+    _write_holder(f)
     return f
+
+
+def _write_holder(f) -> None:
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}, since {time.strftime('%H:%M:%S')}")
+    f.flush()
+
+
+@dataclass
+class Claim:
+    """A trial's slot(s), taken before anything of the job is written and held until it
+    ends, and the job's plan file (user-only: it may hold the API key)."""
+
+    locks: list
+    plan_file: Path
+
+    @classmethod
+    def take(cls, home: Path, plan) -> Claim:
+        refuse_if_running(home, plan.experiment, plan.trial, plan.kind)
+        kinds = ["serve", "train"] if plan.kind == "serve+train" else [plan.kind]
+        locks = []
+        try:
+            for kind in kinds:
+                locks.append(lock_slot(home, plan.experiment, plan.trial, kind))
+            # Refused a second time under the lock: a job may have finished starting between.
+            refuse_if_running(home, plan.experiment, plan.trial, plan.kind)
+        except BaseException:
+            for f in locks:
+                f.close()
+            raise
+        job_dir = record_path(home, plan.experiment, plan.trial, plan.kind).parent
+        plan_file = job_dir / f".{slot(plan.kind)}-{plan.marker}.plan.json"
+        fd = os.open(plan_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(plan.to_json(redact=False), f)
+        return cls(locks, plan_file)
+
+    @classmethod
+    def inherited(cls, fds: list[int], plan_file: Path) -> Claim:
+        """The claim a detached supervisor got from the command that started it."""
+        locks = [os.fdopen(fd, "a+") for fd in fds]
+        for f in locks:
+            _write_holder(f)
+        return cls(locks, plan_file)
+
+    @property
+    def fds(self) -> list[int]:
+        return [f.fileno() for f in self.locks]
+
+    def handed_over(self) -> None:
+        """Close this process's copies; the daemon that inherited them holds the slot."""
+        for f in self.locks:
+            f.close()
+
+    def release(self) -> None:
+        self.plan_file.unlink(missing_ok=True)
+        for f in self.locks:
+            f.close()
 
 
 def refuse_if_running(home: Path, experiment: str, trial: str, kind: str) -> None:

@@ -1,8 +1,8 @@
 """Watchdog started beside every supervisor: when the supervisor dies without tearing down
 (SIGKILL, OOM killer), it kills everything the job started and cleans the registry.
 
-    python -m areal_cli.reaper --parent PID --marker M --home H --experiment E --trial T \
-        --registry R
+    python -m areal_cli.schedulers.local.reaper --parent PID --marker M --home H \
+        --experiment E --trial T --registry R
 
 It runs in a session of its own and does not carry the job marker, so it survives the
 supervisor and never kills itself. A SIGTERM (normal teardown) makes it exit quietly.
@@ -32,8 +32,9 @@ def _stat(pid: int) -> tuple[str, str] | None:
 
 
 def cleanup(marker: str, home: Path, experiment: str, trial: str, registry: str) -> None:
-    from areal_cli import jobs, procs
+    from areal_cli import procs
     from areal_cli.registry import open_registry
+    from areal_cli.schedulers.local import records as jobs
 
     procs.kill_job(marker, grace=3.0)
     try:
@@ -52,7 +53,7 @@ def cleanup(marker: str, home: Path, experiment: str, trial: str, registry: str)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m areal_cli.reaper")
+    ap = argparse.ArgumentParser(prog="python -m areal_cli.schedulers.local.reaper")
     ap.add_argument("--parent", type=int, required=True)
     ap.add_argument("--marker", required=True)
     ap.add_argument("--home", required=True)

@@ -1,0 +1,309 @@
+"""One inference server replica, kept by a small runner beside it on its node:
+
+    python -m areal_cli.launchers.replica PLAN.json --index N
+
+The runner starts the server (its output straight to its log file, so a server never
+blocks on a reader), waits for /health, registers it under a lease and renews the lease
+while the server answers /health. A server that stops answering is taken out of discovery
+and put back when it answers again; a server that exits is deregistered and the runner
+exits with its code. Every scheduler runs replicas this way (local processes, Slurm steps),
+so a server's liveness never depends on a supervisor being scheduled.
+
+Exit codes: the server's own (128+signal when killed by one), 3 when it never became
+healthy in time, 2 for a bad plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from areal_cli.health import probe_health
+
+EXIT_TIMEOUT = 3
+REPLICA_ENV = "AREAL_REPLICA_INDEX"
+PORT_TOKEN = "{port}"  # in argv, replaced by the port chosen on the node
+# Consecutive failed probes (one per renewal) before a server leaves discovery.
+UNHEALTHY_AFTER = 2
+
+
+class Replica:
+    def __init__(self, plan: dict, index: int):
+        self.plan = plan
+        self.p = next(p for p in plan["processes"] if p["role"] == "server" and p["index"] == index)
+        self.ttl = float(plan.get("registry_ttl") or 30.0)
+        self.key = plan.get("api_key")
+        self.stop = threading.Event()
+        self.changed = threading.Event()  # the server exited or a stop was asked for
+        self.server: subprocess.Popen | None = None
+        self.entry = None
+        self.registry = None
+        self._log = None
+
+    # -- log ------------------------------------------------------------------------------
+
+    def say(self, text: str) -> None:
+        """One line of our own into the server's log, where `areal logs` shows it in order."""
+        line = f"[replica] {time.strftime('%H:%M:%S')} {text}\n".encode()
+        try:
+            os.write(self._log, line)
+        except OSError:
+            pass
+
+    # -- phases ---------------------------------------------------------------------------
+
+    def run(self) -> int:
+        p = self.p
+        port = p.get("port") or _free_port(p["host"])
+        argv = [a.replace(PORT_TOKEN, str(port)) for a in p["argv"]]
+        Path(p["log_path"]).parent.mkdir(parents=True, exist_ok=True)
+        # O_APPEND: our lines and the server's interleave whole, never overwrite each other.
+        self._log = os.open(
+            p["log_path"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644
+        )
+        env = {**os.environ, **p["env"]}
+        if p["env"].get("CUDA_VISIBLE_DEVICES") == "" and "SLURM_JOB_ID" not in os.environ:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        # Found by teardown even when this runner is gone (see replica_processes).
+        env[REPLICA_ENV] = str(p["index"])
+        try:
+            self.server = subprocess.Popen(
+                argv, env=env, stdin=subprocess.DEVNULL, stdout=self._log,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        except OSError as e:
+            self.say(f"cannot start {argv[0]}: {e}")
+            return 127
+        server = self.server
+
+        def wake_on_exit() -> None:
+            server.wait()
+            self.changed.set()
+
+        threading.Thread(target=wake_on_exit, daemon=True).start()
+        host = p["host"]
+        if not self._wait_healthy(host, port):
+            code = self.server.poll()
+            if code is not None:
+                self.say(f"server exited while starting ({_describe(code)})")
+                return _code(code)
+            if self.stop.is_set():
+                return self._shutdown()
+            self.say(f"not healthy after {self.plan['health_timeout']:g}s; stopping it")
+            self._shutdown()
+            return EXIT_TIMEOUT
+        self._register(host, port)
+        return self._keep()
+
+    def _wait_healthy(self, host: str, port: int) -> bool:
+        deadline = time.monotonic() + float(self.plan["health_timeout"])
+        delay = 0.005
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            if self.server.poll() is not None:
+                return False
+            if probe_health(host, port, self.p["health_path"], self.key, timeout=1.0):
+                return True
+            # Backoff capped near 100 ms: quick to notice readiness, cheap while loading.
+            self.stop.wait(min(delay, 0.1))
+            delay *= 2
+        return False
+
+    def _register(self, host: str, port: int) -> None:
+        from areal_cli import procs, settings
+        from areal_cli.registry import ServerEntry, open_registry, server_id
+
+        where = _advertised_host(host)
+        plan = self.plan
+        self.registry = open_registry(plan["registry"])
+        self.entry = ServerEntry(
+            id=server_id(where, port),
+            addr=f"{where}:{port}",
+            experiment=plan["experiment"],
+            trial=plan["trial"],
+            backend=self.p.get("backend"),
+            model_path=plan.get("model_path"),
+            tp=plan.get("tp", 1),
+            gpus=self.p.get("gpus", []),
+            host=settings.hostname(),
+            pid=self.server.pid,
+            pid_create_time=procs.create_time(self.server.pid),
+            api_key_required=bool(self.key),
+            job=f"{plan['experiment']}/{plan['trial']}",
+            marker=plan["marker"],
+            scheduler=plan.get("scheduler", "local"),
+            scheduler_job_id=os.environ.get("SLURM_JOB_ID"),
+            node=os.environ.get("SLURMD_NODENAME") or settings.hostname(),
+        )
+        self._publish("registered")
+
+    def _publish(self, what: str) -> bool:
+        try:
+            self.registry.register(self.entry, ttl=self.ttl)
+        except Exception as e:  # the registry may be down for a while: keep serving
+            self.say(f"cannot register {self.entry.addr} in {self.registry.url}: {_why(e)}")
+            return False
+        self.say(f"{what} {self.entry.addr} in {self.registry.url}")
+        return True
+
+    def _keep(self) -> int:
+        """Renew the lease while the server answers /health; follow it until it exits."""
+        host, _, port = self.entry.addr.rpartition(":")
+        listed, bad, failed_renewals = True, 0, 0
+        interval = max(0.05, self.ttl / 3)
+        while True:
+            code = self.server.poll()
+            if code is not None:
+                self._deregister()
+                self.say(f"server exited ({_describe(code)}); deregistered")
+                return _code(code)
+            self.changed.wait(interval)
+            self.changed.clear()
+            if self.stop.is_set():
+                return self._shutdown()
+            if self.server.poll() is not None:
+                continue
+            ok = probe_health(
+                host, int(port), self.p["health_path"], self.key, timeout=min(5.0, interval)
+            )
+            if self.server.poll() is not None:
+                continue
+            if not ok:
+                bad += 1
+                if listed and bad >= UNHEALTHY_AFTER:
+                    self._deregister()
+                    listed = False
+                    self.say("server stopped answering /health; taken out of discovery")
+                continue
+            bad = 0
+            if not listed:
+                listed = self._publish("answers /health again; registered")
+                continue
+            try:
+                self.registry.keepalive(self.entry)
+                if failed_renewals:
+                    self.say(f"renewal works again after {failed_renewals} failure(s)")
+                    # The registry may have lost the entry meanwhile (an etcd restart).
+                    listed = self._publish("registered again")
+                failed_renewals = 0
+            except Exception as e:
+                failed_renewals += 1
+                self.say(f"renewal failed ({failed_renewals}): {_why(e)}")
+
+    def _deregister(self) -> None:
+        if self.entry is None:
+            return
+        try:
+            self.registry.deregister(
+                self.entry.experiment, self.entry.trial, self.entry.id, self.entry.lease
+            )
+        except Exception as e:
+            self.say(f"cannot deregister {self.entry.addr}: {_why(e)}")
+
+    def _shutdown(self) -> int:
+        self._deregister()
+        server = self.server
+        if server is None:
+            return 0
+        if server.poll() is None:
+            _signal_group(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                _signal_group(server.pid, signal.SIGKILL)
+                server.wait()
+        return _code(server.returncode)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _code(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _why(e: Exception) -> str:
+    return getattr(e, "message", None) or f"{type(e).__name__}: {e}"
+
+
+def _free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host if host not in ("", "0.0.0.0") else "", 0))
+        return s.getsockname()[1]
+
+
+def _advertised_host(host: str) -> str:
+    """The address other machines use to reach a server bound to `host`: for a wildcard
+    bind, the first non-loopback IPv4 address of this host (the hostname often resolves to
+    127.0.1.1), else the hostname."""
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    import ipaddress
+
+    import psutil
+
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback:
+                return a.address
+    return socket.gethostname()
+
+
+def replica_processes(marker: str, index: int) -> list:
+    """The processes of one replica of a job (its server and the server's helpers), found by
+    their environment: a runner killed by SIGKILL leaves its server to init."""
+    from areal_cli import procs
+
+    out = []
+    for p in procs.find_marked(marker):
+        try:
+            if p.environ().get(REPLICA_ENV) == str(index):
+                out.append(p)
+        except Exception:
+            continue
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m areal_cli.launchers.replica")
+    ap.add_argument("plan", help="the job's plan (JSON)")
+    ap.add_argument("--index", type=int, required=True, help="which server replica")
+    args = ap.parse_args(argv)
+    try:
+        plan = json.loads(Path(args.plan).read_text())
+        replica = Replica(plan, args.index)
+    except (OSError, ValueError, KeyError, StopIteration) as e:
+        print(f"replica: bad plan {args.plan}: {e}", file=sys.stderr)
+        return 2
+    def stop(*_) -> None:
+        replica.stop.set()
+        replica.changed.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    return replica.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Schedulers: where a job's processes run. `local` (processes on this host) and `slurm`
+(a batch job on a Slurm cluster), each one module behind the same API (api.py), imported
+only when used.
+
+    sched = get("slurm")                     # --scheduler, job YAML, AREAL_SCHEDULER
+    request = sched.dryrun(spec)             # --dry-run prints it
+    handle = sched.schedule(request, detach=True)
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+from areal_cli.errors import UsageError
+from areal_cli.schedulers.api import Handle, Scheduler
+
+NAMES = {"local": "LocalScheduler"}
+DEFAULT = "local"
+
+
+def pick(flag: str | None, config: dict | None = None) -> str:
+    """The scheduler's name: the flag, else the job YAML's `scheduler`, else AREAL_SCHEDULER."""
+    name = flag or (config or {}).get("scheduler") or os.environ.get("AREAL_SCHEDULER") or DEFAULT
+    if name not in NAMES:
+        raise UsageError(f"unknown scheduler {name!r}", hint="choose one of: " + ", ".join(NAMES))
+    return name
+
+
+def get(name: str | None = None, **options) -> Scheduler:
+    """The scheduler `name`, its module imported now. `options`: home=, registry=."""
+    name = pick(name)
+    module = importlib.import_module(f"areal_cli.schedulers.{name}")
+    return getattr(module, NAMES[name])(**options)
+
+
+def known_jobs(
+    experiment: str, trial: str, kind: str | None = None, **options
+) -> list[tuple[Scheduler, Handle]]:
+    """Every scheduler's jobs of E/T (of `kind` if given): the local ones first."""
+    found = []
+    for name in NAMES:
+        sched = get(name, **options)
+        found += [(sched, h) for h in sched.find(experiment, trial, kind)]
+    return found

@@ -1,0 +1,174 @@
+"""What every scheduler offers, in the shape of TorchX's scheduler API:
+
+    request = scheduler.dryrun(spec)            # what --dry-run prints; starts nothing
+    handle  = scheduler.schedule(request, ...)  # start it (foreground or detached)
+    scheduler.describe(handle)                  # one job's status
+    scheduler.list()                            # every job this scheduler knows
+    scheduler.log_iter(handle, role, index, follow)
+    scheduler.cancel(handle)
+
+A job is named by its experiment/trial and kind (a trial holds one serving and one training
+job). Commands talk to this interface only; each scheduler keeps its own records.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from areal_cli.spec import JobSpec
+
+# Job states, the same words for every scheduler.
+LIVE = ("pending", "starting", "running", "stopping")
+ENDED = ("stopped", "failed", "killed", "cancelled", "dead")
+
+EventFn = Callable[[str, dict], None]  # ("healthy", {...}), ("ready", ...), ...
+LineFn = Callable[[str, str], None]  # (label, line): "server-0", "rank-1", ...
+
+
+@dataclass(frozen=True)
+class Handle:
+    scheduler: str
+    experiment: str
+    trial: str
+    kind: str  # "serve" | "train" | "serve+train"
+    job_id: str | None = None  # the scheduler's own id (a Slurm job id)
+
+    @property
+    def name(self) -> str:
+        return f"{self.experiment}/{self.trial}"
+
+    def __str__(self) -> str:
+        return f"{self.scheduler}://{self.name}/{self.kind}" + (
+            f"#{self.job_id}" if self.job_id else ""
+        )
+
+
+@dataclass
+class Request:
+    """A job ready to start: what `--dry-run` shows. `plan` is the scheduler's own form
+    (local: processes with argv, env, GPUs, ports; slurm: that plus the sbatch script)."""
+
+    scheduler: str
+    spec: JobSpec
+    plan: Any
+
+    def to_json(self) -> dict:
+        out = self.plan.to_json() if hasattr(self.plan, "to_json") else dict(self.plan)
+        return {"scheduler": self.scheduler, **out}
+
+
+@dataclass
+class ServerStatus:
+    addr: str
+    healthy: bool
+    pid: int | None = None
+    gpus: list[int] = field(default_factory=list)
+    node: str | None = None
+    paused: bool = False
+    exit_code: int | None = None
+
+
+@dataclass
+class JobStatus:
+    """What `areal ps` shows of one job."""
+
+    handle: Handle
+    state: str
+    host: str | None = None
+    nodes: list[str] = field(default_factory=list)
+    pids: list[int] = field(default_factory=list)
+    servers: list[ServerStatus] = field(default_factory=list)
+    started: float = 0.0
+    log_dir: str | None = None
+    alloc: str | None = None
+    model: str | None = None
+    message: str | None = None
+    exit_code: int | None = None
+    ranks_alive: int | None = None
+    world_size: int | None = None
+    reason: str | None = None  # why a queued job waits (Slurm's reason)
+    marker: str | None = None  # what every process of the job carries in AREAL_JOB_MARKER
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        h = d.pop("handle")
+        return {
+            "name": self.handle.name,
+            "experiment": h["experiment"],
+            "trial": h["trial"],
+            "kind": h["kind"],
+            "scheduler": h["scheduler"],
+            "job_id": h["job_id"],
+            **d,
+        }
+
+
+@dataclass
+class StopResult:
+    name: str
+    was_running: bool
+    killed: int = 0  # processes signalled, or Slurm jobs cancelled
+    deregistered: int = 0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class Stopped(Exception):
+    """A foreground job that ended because it was stopped, not because something failed:
+    its exit code is 130 (Ctrl-C) or 143 (SIGTERM, `areal stop`)."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+class Scheduler(ABC):
+    name: str
+
+    @abstractmethod
+    def dryrun(self, spec: JobSpec) -> Request: ...
+
+    @abstractmethod
+    def schedule(
+        self,
+        request: Request,
+        *,
+        detach: bool,
+        on_event: EventFn | None = None,
+        on_line: LineFn | None = None,
+        on_progress: Callable[[str], None] | None = None,
+    ) -> Handle:
+        """Start the job. Foreground (`detach=False`): stream and supervise until it ends,
+        raising its failure; Ctrl-C/SIGTERM stop it. Detached: return once it is ready."""
+
+    @abstractmethod
+    def describe(self, handle: Handle) -> JobStatus | None: ...
+
+    @abstractmethod
+    def list(self, include_ended: bool = False) -> list[JobStatus]: ...
+
+    @abstractmethod
+    def find(self, experiment: str, trial: str, kind: str | None = None) -> list[Handle]:
+        """This scheduler's jobs of E/T (of `kind` if given), live ones first."""
+
+    @abstractmethod
+    def log_iter(
+        self,
+        handle: Handle,
+        role: str | None = None,
+        index: int | None = None,
+        follow: bool = False,
+        lines: int = 50,
+    ) -> Iterator[tuple[str, str]]:
+        """(label, line) of the job's logs: the last `lines` of each, then new ones."""
+
+    @abstractmethod
+    def cancel(self, handle: Handle, timeout: float = 30.0) -> StopResult: ...
+
+    def request_stop(self) -> None:
+        """Ask a job running in the foreground of this process to stop (signal handlers)."""
+        return None

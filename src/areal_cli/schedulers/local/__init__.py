@@ -1,0 +1,258 @@
+"""The local scheduler: jobs as processes on this host.
+
+    planner.py     JobSpec → Plan (GPUs, ports, argv, env, logs), checked before anything runs
+    supervisor.py  runs a plan: replica and torchrun runners, readiness, watch, teardown
+    launch.py      detached jobs: the supervisor as a daemon, waited on until ready
+    reaper.py      the watchdog that tears a job down when its supervisor dies
+    records.py     job records in AREAL_HOME, and the trial's slots
+
+Nothing outside this package reaches into these modules; commands use the Scheduler API.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from areal_cli import logfiles, settings
+from areal_cli.errors import UsageError
+from areal_cli.schedulers.api import (
+    EventFn,
+    Handle,
+    JobStatus,
+    LineFn,
+    Request,
+    Scheduler,
+    ServerStatus,
+    Stopped,
+    StopResult,
+)
+from areal_cli.schedulers.local import records
+from areal_cli.spec import JobSpec
+
+
+class LocalScheduler(Scheduler):
+    name = "local"
+
+    def __init__(self, home: Path | None = None, registry: str | None = None):
+        self.home = home or settings.home()
+        self.registry = registry
+        self._foreground = None
+
+    # -- submit ---------------------------------------------------------------------------
+
+    def dryrun(self, spec: JobSpec, check_packages: bool = False) -> Request:
+        from areal_cli.schedulers.local import planner
+
+        plan = planner.plan(
+            spec, self.home, settings.registry_url(self.registry), check_packages=check_packages
+        )
+        return Request(self.name, spec, plan)
+
+    def schedule(
+        self,
+        request: Request,
+        *,
+        detach: bool,
+        on_event: EventFn | None = None,
+        on_line: LineFn | None = None,
+        on_progress: Callable[[str], None] | None = None,
+    ) -> Handle:
+        plan = request.plan
+        claim = records.Claim.take(self.home, plan)
+        handle = Handle(self.name, plan.experiment, plan.trial, plan.kind)
+        if detach:
+            from areal_cli.schedulers.local import launch
+
+            try:
+                daemon = launch.spawn_detached(plan, self.home, claim)
+            except BaseException:
+                claim.release()
+                raise
+            claim.handed_over()
+            n = len(plan.servers)
+
+            def progress(rec) -> None:
+                if on_progress and rec is not None and rec.marker == plan.marker:
+                    on_progress(f"{rec.state}, {len(rec.processes)}/{n} spawned")
+
+            try:
+                launch.wait_detached(plan, self.home, daemon, progress)
+            except KeyboardInterrupt:
+                # Ctrl-C while waiting means "never mind": the starting job goes too.
+                daemon.terminate()
+                daemon.wait()
+                raise
+            return handle
+        from areal_cli.schedulers.local.supervisor import Supervisor
+
+        sup = Supervisor(plan, self.home, claim, on_event=on_event, on_line=on_line)
+        self._foreground = sup
+        code = sup.run()
+        if code:
+            raise Stopped(code)
+        return handle
+
+    def request_stop(self, signum: int = signal.SIGINT) -> None:
+        from areal_cli.schedulers.local.supervisor import EXIT_TERMINATED
+
+        if self._foreground is not None:
+            if signum == signal.SIGINT:
+                self._foreground.request_stop("interrupted")
+            else:
+                self._foreground.request_stop("terminated", EXIT_TERMINATED)
+
+    # -- what runs ------------------------------------------------------------------------
+
+    def find(self, experiment: str, trial: str, kind: str | None = None) -> list[Handle]:
+        if kind is not None:
+            path = records.record_path(self.home, experiment, trial, kind)
+            recs = [records.read(path)] if path.exists() else []
+        else:
+            recs = records.load_all(self.home, experiment, trial)
+        return [self._handle(r) for r in recs]
+
+    def describe(self, handle: Handle) -> JobStatus | None:
+        path = records.record_path(self.home, handle.experiment, handle.trial, handle.kind)
+        if not path.exists():
+            return None
+        return self._statuses([records.read(path)], include_ended=True)[0]
+
+    def list(self, include_ended: bool = False) -> list[JobStatus]:
+        recs, bad = records.list_all(self.home)
+        out = self._statuses(recs, include_ended)
+        for path in bad:
+            out.append(
+                JobStatus(
+                    Handle(self.name, path, "", "?"), "corrupt", message="unreadable job record"
+                )
+            )
+        return out
+
+    def _statuses(self, recs: list[records.JobRecord], include_ended: bool) -> list[JobStatus]:
+        rows = []
+        for rec in recs:
+            state = rec.state
+            if state in records.LIVE and not rec.alive():
+                state = "dead"  # supervisor and watchdog both gone without a word
+            if include_ended or state in records.LIVE:
+                rows.append((rec, state))
+        here = settings.hostname()
+        probes = [
+            p.addr
+            for rec, state in rows
+            for p in rec.processes
+            if p.role == "server" and p.addr and rec.host == here and state in records.LIVE
+        ]
+        health: dict[str, bool] = {}
+        if probes:
+            from areal_cli import discovery  # threads and http.client: only to probe servers
+
+            health = discovery.healthy(probes, timeout=1.0)
+        out = []
+        for rec, state in rows:
+            servers = [
+                ServerStatus(
+                    addr=p.addr, healthy=bool(health.get(p.addr)), pid=p.server_pid or p.pid,
+                    gpus=p.gpus, node=rec.host, exit_code=p.exit_code,
+                )
+                for p in rec.processes
+                if p.role == "server" and p.addr
+            ]  # fmt: skip
+            out.append(
+                JobStatus(
+                    handle=self._handle(rec),
+                    state=state,
+                    host=rec.host,
+                    nodes=[rec.host],
+                    pids=[rec.supervisor_pid, *rec.pids],
+                    servers=servers,
+                    started=rec.started,
+                    log_dir=rec.log_dir,
+                    alloc=rec.alloc,
+                    model=rec.model,
+                    message=rec.message,
+                    exit_code=rec.exit_code,
+                    marker=rec.marker,
+                )
+            )
+        return out
+
+    def _handle(self, rec: records.JobRecord) -> Handle:
+        return Handle(self.name, rec.experiment, rec.trial, rec.kind)
+
+    # -- logs, stop -----------------------------------------------------------------------
+
+    def log_iter(
+        self,
+        handle: Handle,
+        role: str | None = None,
+        index: int | None = None,
+        follow: bool = False,
+        lines: int = 50,
+    ) -> Iterator[tuple[str, str]]:
+        import time
+
+        rec = self._record(handle)
+        log_dir = Path(rec.log_dir)
+        if not logfiles.select_logs(log_dir, role, index):
+            raise UsageError(
+                f"no log files for {rec.name}"
+                + (f" with role {role}" if role else "")
+                + f" in {rec.log_dir}",
+                hint="roles: " + ", ".join(logfiles.ROLES),
+            )
+        follower = logfiles.Follower(log_dir, role, index, history=lines)
+        while True:
+            got = False
+            for item in follower.poll():
+                got = True
+                yield item
+            if not follow:
+                return
+            if not got:
+                live = [r for r in records.load_all(self.home, rec.experiment, rec.trial)
+                        if r.alive() and r.state in records.LIVE]  # fmt: skip
+                if not live:
+                    for item in follower.poll():
+                        yield item
+                    return
+                time.sleep(0.2)
+
+    def cancel(self, handle: Handle, timeout: float = 30.0) -> StopResult:
+        """SIGTERM the supervisor and wait; then make sure nothing of the job is left, and
+        nothing of the trial's other job if that one is not running either."""
+        from areal_cli import procs  # psutil: `ps` with no jobs never needs it
+        from areal_cli.registry import open_registry
+
+        rec = self._record(handle)
+        if rec.host != settings.hostname():
+            # Its pids mean nothing here (a shared home seen from another node).
+            raise UsageError(
+                f"job {rec.name} runs on {rec.host}, not on this host ({settings.hostname()})",
+                hint=f"run `areal stop {rec.name}` on {rec.host}",
+            )
+        was_running = rec.alive() and rec.state in records.LIVE
+        if was_running:
+            try:
+                os.kill(rec.supervisor_pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            procs.wait_until(lambda: not rec.alive(), timeout)
+        # Only pids that are still the processes we started: an old record's pids may be reused.
+        roots = [p.pid for p in rec.processes if procs.pid_alive(p.pid, p.create_time)]
+        killed = procs.kill_job(rec.marker, roots, grace=3.0)
+        deregistered = 0
+        for url in {rec.registry, settings.registry_url(self.registry)}:
+            deregistered += open_registry(url).deregister_job(rec.experiment, rec.trial, rec.marker)
+        fresh = records.load(self.home, rec.experiment, rec.trial, rec.kind)
+        if fresh.state in records.LIVE:
+            fresh.state = "stopped"
+            fresh.message = "stopped by areal stop"
+            records.write(self.home, fresh)
+        return StopResult(rec.name, was_running, killed, deregistered)
+
+    def _record(self, handle: Handle) -> records.JobRecord:
+        return records.load(self.home, handle.experiment, handle.trial, handle.kind)

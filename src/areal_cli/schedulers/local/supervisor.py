@@ -1,0 +1,490 @@
+"""The local scheduler's supervisor: run a plan's processes on this host, gate on readiness,
+watch them, tear them down, and keep the job record.
+
+What it starts, each in a session of its own and carrying the job's marker:
+
+    server-N   python -m areal_cli.launchers.replica PLAN --index N
+               (starts the server, registers it when healthy, renews its lease)
+    torchrun   python -m areal_cli.launchers.torchrun --log-dir D -- <torchrun argv>
+               (one rank-N.log per rank, torchrun.log for its own lines)
+
+Every process writes files; nothing waits on a pipe to the supervisor, so a suspended
+supervisor (Ctrl-Z) stalls no server. A server counts as ready once its runner registered
+it. In the foreground the supervisor follows the log files for the terminal.
+
+The supervisor never prints. It reports through callbacks:
+    on_event(kind, info)   "spawned" | "healthy" | "ready" | "server_lost" | "trainer_exit" |
+                           "stopping"
+    on_line(label, line)   a line of a log ("server-0", "rank-1", "torchrun")
+and raises LaunchError (exit 1) or WaitTimeout (exit 3) for the first failure, root cause first.
+
+Run as `python -m areal_cli.schedulers.local.supervisor PLAN --home H --slot-fd N...` it is
+the daemon behind --detach.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from areal_cli import apikeys, logfiles, procs, settings
+from areal_cli.errors import (
+    EXIT_INTERRUPTED,
+    ArealError,
+    LaunchError,
+    WaitTimeout,
+)
+from areal_cli.launchers import torchrun
+from areal_cli.registry import open_registry
+from areal_cli.schedulers.local import records
+from areal_cli.spec import Plan, ProcessPlan
+
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: stopped by SIGTERM (areal stop, timeout)
+TAIL_LINES = 20
+
+EventFn = Callable[[str, dict], None]
+LineFn = Callable[[str, str], None]
+
+
+class _Proc:
+    """One launched runner; a thread wakes the supervisor the moment it exits."""
+
+    def __init__(self, plan: ProcessPlan, popen: subprocess.Popen, changed: threading.Event):
+        self.plan = plan
+        self.popen = popen
+        self.lost = False
+        self.healthy = False
+
+        def wait() -> None:
+            popen.wait()
+            changed.set()
+
+        threading.Thread(target=wait, name=f"wait-{plan.label}", daemon=True).start()
+
+    @property
+    def label(self) -> str:
+        return self.plan.label
+
+    def exit_code(self) -> int | None:
+        return self.popen.poll()
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        code = 128 - code
+    if code > 128:
+        try:
+            return f"killed by {signal.Signals(code - 128).name}"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+class Supervisor:
+    def __init__(
+        self,
+        plan: Plan,
+        home: Path,
+        claim: records.Claim,
+        on_event: EventFn | None = None,
+        on_line: LineFn | None = None,
+    ):
+        self.plan = plan
+        self.home = home
+        self.claim = claim
+        self.on_event = on_event or (lambda kind, info: None)
+        self.on_line = on_line
+        self.registry = open_registry(plan.registry)
+        self.procs: list[_Proc] = []
+        self.stop_requested = threading.Event()
+        self.changed = threading.Event()  # a process exited, or a stop was requested
+        self.stop_reason: str | None = None
+        self.stop_code = EXIT_INTERRUPTED
+        self._reaper: subprocess.Popen | None = None
+        self._follow_stop = threading.Event()
+        self._follower: threading.Thread | None = None
+        self.record: records.JobRecord | None = None
+
+    # -- public ---------------------------------------------------------------------------
+
+    def request_stop(self, reason: str = "interrupted", code: int = EXIT_INTERRUPTED) -> None:
+        self.stop_reason, self.stop_code = reason, code
+        self.stop_requested.set()
+        self.changed.set()
+
+    def run(self) -> int:
+        """Run the job to its end. Returns the exit code; raises for the first failure."""
+        settings.ensure_dir(self.plan.log_dir)
+        # Entries left by servers that died with their supervisor and watchdog (a reboot):
+        # AReaL's reader cannot tell them from live ones, so they go before we add ours.
+        try:
+            self.registry.prune(self.plan.experiment, self.plan.trial)
+        except OSError:
+            pass
+        if self.plan.api_key and self.plan.api_key_file:
+            apikeys.store(self.plan.api_key_file, self.plan.marker, self.plan.api_key)
+        self._start_record()
+        self._start_reaper()
+        if self.on_line is not None:
+            self._follower = logfiles.follow_in_background(
+                Path(self.plan.log_dir), self._line, self._follow_stop
+            )
+        error: ArealError | None = None
+        code = 0
+        try:
+            code = self._run()
+        except ArealError as e:
+            error = e
+            code = e.exit_code
+        except BaseException:
+            code = 1
+            self._teardown("failed", "the supervisor crashed", 1)
+            raise
+        if error is not None:
+            self._teardown("failed", error.message, code, error.detail)
+            raise error
+        state = "stopped" if code == 0 or self.stop_requested.is_set() else "failed"
+        self._teardown(state, self.stop_reason, code)
+        return code
+
+    # -- phases ---------------------------------------------------------------------------
+
+    def _run(self) -> int:
+        servers = self.plan.servers
+        for p in servers:
+            self._spawn(p)
+        if servers:
+            self._wait_ready()
+        if self.stop_requested.is_set():
+            return self.stop_code
+        self._set_state("running")
+        self.on_event("ready", {"servers": [p.addr for p in servers]})
+        for p in self.plan.trainers:
+            self._spawn(p)
+            self._set_state("running")
+            self._record_rendezvous(self.procs[-1])
+        return self._watch()
+
+    def _spawn(self, p: ProcessPlan) -> None:
+        Path(p.log_path).parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, procs.MARKER_ENV: self.plan.marker}
+        if p.role == "server":
+            argv = [sys.executable, "-m", "areal_cli.launchers.replica"]
+            argv += [str(self.claim.plan_file), "--index", str(p.index)]
+        else:
+            env.update(p.env)
+            if p.env.get("CUDA_VISIBLE_DEVICES") == "":
+                env["CUDA_VISIBLE_DEVICES"] = ""
+            argv = [sys.executable, "-m", "areal_cli.launchers.torchrun"]
+            argv += ["--log-dir", self.plan.log_dir, "--", *p.argv]
+        try:
+            popen = subprocess.Popen(
+                argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        except OSError as e:
+            raise LaunchError(f"{p.label} could not start: {e}") from None
+        self.procs.append(_Proc(p, popen, self.changed))
+        self.record.processes.append(
+            records.ProcessRecord(
+                role=p.role,
+                index=p.index,
+                pid=popen.pid,
+                argv=self.plan.redact(p.argv),
+                log=p.log_path,
+                addr=p.addr,
+                gpus=p.gpus,
+                create_time=procs.create_time(popen.pid),
+            )
+        )
+        records.write(self.home, self.record)
+        self.on_event("spawned", {"label": p.label, "pid": popen.pid})
+
+    def _wait_ready(self) -> None:
+        """Until every replica's runner has registered its server (it does so once the
+        server answers /health), or one exits, or the health timeout passes."""
+        deadline = time.monotonic() + self.plan.health_timeout + 10.0
+        pending = {p.plan.addr: p for p in self.procs if p.plan.role == "server"}
+        delay = 0.01
+        while pending:
+            for proc in list(pending.values()):
+                code = proc.exit_code()
+                if code is not None:
+                    if code == WaitTimeout.exit_code:
+                        raise WaitTimeout(
+                            f"{proc.label} not healthy after {self.plan.health_timeout:g}s",
+                            hint="raise --health-timeout for big models, or read the log: "
+                            + proc.plan.log_path,
+                            detail=self._tail_text(proc.plan.log_path),
+                        )
+                    raise self._failure(proc, code, "while starting")
+            if self.stop_requested.is_set():
+                return
+            try:
+                listed = self.registry.list(self.plan.experiment, self.plan.trial).servers
+            except ArealError:
+                listed = []  # the registry is down for a moment; the runner keeps trying
+            for e in listed:
+                proc = pending.get(_local_addr(e.addr, self.plan))
+                if e.marker == self.plan.marker and proc is not None:
+                    del pending[proc.plan.addr]
+                    proc.healthy = True
+                    rec = next(r for r in self.record.processes if r.pid == proc.popen.pid)
+                    rec.server_pid = e.pid
+                    records.write(self.home, self.record)
+                    self.on_event("healthy", {"label": proc.label, "addr": e.addr})
+            if pending and time.monotonic() >= deadline:
+                first = next(iter(pending.values()))
+                raise WaitTimeout(
+                    f"{', '.join(p.label for p in pending.values())} not registered after "
+                    f"{self.plan.health_timeout:g}s",
+                    hint=f"read the log: {first.plan.log_path}",
+                    detail=self._tail_text(first.plan.log_path),
+                )
+            if pending:
+                self.changed.wait(min(delay, 0.05))
+                self.changed.clear()
+                delay *= 2
+
+    def _record_rendezvous(self, proc: _Proc) -> None:
+        """A standalone torchrun binds the port the OS gave it: record it in the job record,
+        where other jobs planning on this host count it as taken."""
+        if "--standalone" not in proc.plan.argv:
+            return
+        port: list[int] = []
+
+        def bound() -> bool:
+            found = torchrun.rendezvous_port(proc.popen.pid)
+            if found:
+                port.append(found)
+            return bool(port) or proc.exit_code() is not None or self.stop_requested.is_set()
+
+        procs.wait_until(bound, timeout=60.0, cap=0.1)
+        if port:
+            rec = next(r for r in self.record.processes if r.pid == proc.popen.pid)
+            rec.addr = f"127.0.0.1:{port[0]}"
+            records.write(self.home, self.record)
+
+    def _watch(self) -> int:
+        trainers = [p for p in self.procs if p.plan.role == "trainer"]
+        while not self.stop_requested.is_set():
+            for proc in trainers:
+                code = proc.exit_code()
+                if code is not None:
+                    self._record_exit(proc, code)
+                    self.on_event("trainer_exit", {"label": proc.label, "code": code})
+                    if code != 0:
+                        raise self._failure(proc, code, "")
+                    return 0
+            for proc in [p for p in self.procs if p.plan.role == "server" and not p.lost]:
+                code = proc.exit_code()
+                if code is not None:
+                    proc.lost = True
+                    self._reap_replica(proc)
+                    self._record_exit(proc, code)
+                    self.on_event(
+                        "server_lost",
+                        {
+                            "label": proc.label,
+                            "addr": proc.plan.addr,
+                            "why": describe_exit(code),
+                            "tail": logfiles.tail(proc.plan.log_path, TAIL_LINES),
+                        },
+                    )
+                    if not trainers and all(p.lost for p in self.procs if p.plan.role == "server"):
+                        raise self._failure(proc, code, "(no replica left)")
+            self.changed.wait()
+            self.changed.clear()
+        return self.stop_code
+
+    # -- records, teardown ----------------------------------------------------------------
+
+    def _reap_replica(self, proc: _Proc) -> None:
+        """A runner that died without its server (SIGKILL, OOM) leaves the server behind:
+        stop it and take its entry out of the registry."""
+        from areal_cli.launchers.replica import replica_processes
+
+        left = replica_processes(self.plan.marker, proc.plan.index)
+        if left:
+            procs.terminate(left, grace=3.0)
+        try:
+            for e in self.registry.list(self.plan.experiment, self.plan.trial, True).servers:
+                if e.marker == self.plan.marker and _local_addr(e.addr, self.plan) == proc.plan.addr:
+                    self.registry.deregister(e.experiment, e.trial, e.id, e.lease)
+        except (ArealError, OSError):
+            pass
+
+    def _line(self, label: str, line: str) -> None:
+        # torchrun answers a stop with a SignalException traceback of its own: not news.
+        if label.startswith("torchrun") and self.stop_requested.is_set():
+            return
+        self.on_line(label, line)
+
+    def _teardown(
+        self, state: str, message: str | None, code: int, detail: str | None = None
+    ) -> None:
+        self.on_event("stopping", {"state": state})
+        # Reaped processes' pids may already belong to someone else: only live ones are roots.
+        live = [p.popen.pid for p in self.procs if p.popen.poll() is None]
+        procs.kill_job(self.plan.marker, live, grace=5.0)
+        for proc in self.procs:
+            try:
+                proc.popen.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
+            if proc.popen.returncode is not None:
+                self._record_exit(proc, proc.popen.returncode, write=False)
+        try:
+            # Runners deregister their own servers; this catches a runner that was killed.
+            self.registry.deregister_job(self.plan.experiment, self.plan.trial, self.plan.marker)
+        except (ArealError, OSError):
+            pass
+        self._follow_stop.set()
+        if self._follower is not None:
+            self._follower.join(timeout=2)
+        if self._reaper and self._reaper.poll() is None:
+            self._reaper.terminate()
+            try:
+                self._reaper.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                self._reaper.kill()
+        if self.record:
+            self.record.state = state
+            self.record.message = message
+            self.record.detail = detail
+            self.record.exit_code = code
+            records.write(self.home, self.record)
+        self.claim.release()
+
+    def _start_record(self) -> None:
+        me = os.getpid()
+        self.record = records.JobRecord(
+            experiment=self.plan.experiment,
+            trial=self.plan.trial,
+            kind=self.plan.kind,
+            state="starting",
+            marker=self.plan.marker,
+            supervisor_pid=me,
+            supervisor_create_time=procs.create_time(me),
+            host=settings.hostname(),
+            started=time.time(),
+            log_dir=self.plan.log_dir,
+            registry=self.plan.registry,
+            alloc=self.plan.alloc,
+            model=self.plan.model_path,
+            api_key_file=self.plan.api_key_file,
+        )
+        records.write(self.home, self.record)
+
+    def _set_state(self, state: str) -> None:
+        self.record.state = state
+        records.write(self.home, self.record)
+
+    def _record_exit(self, proc: _Proc, code: int, write: bool = True) -> None:
+        for r in self.record.processes:
+            if r.pid == proc.popen.pid:
+                r.exit_code = code
+        if write:
+            records.write(self.home, self.record)
+
+    def _start_reaper(self) -> None:
+        me = os.getpid()
+        env = {k: v for k, v in os.environ.items() if k != procs.MARKER_ENV}
+        argv = [sys.executable, "-m", "areal_cli.schedulers.local.reaper", "--parent", str(me)]
+        argv += ["--marker", self.plan.marker, "--home", str(self.home)]
+        argv += ["--experiment", self.plan.experiment, "--trial", self.plan.trial]
+        argv += ["--registry", self.plan.registry]
+        self._reaper = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    # -- failure reports ------------------------------------------------------------------
+
+    def _failure(self, proc: _Proc, code: int, when: str) -> LaunchError:
+        label, log = proc.label, proc.plan.log_path
+        tail = self._tail_text(log)
+        if proc.plan.role == "trainer":
+            rank, rank_code = _root_cause(Path(self.plan.log_dir), log)
+            if rank is not None:
+                label = f"rank-{rank}"
+                if rank_code is not None and rank_code != code:
+                    when = f"{when} (torchrun exited {code})".strip()
+                    code = rank_code
+                log = os.path.join(self.plan.log_dir, f"rank-{rank}.log")
+                tail = self._tail_text(log)
+        what = f"{label} failed {when}".strip()
+        return LaunchError(f"{what}: {describe_exit(code)}", detail=tail, hint=f"full log: {log}")
+
+    @staticmethod
+    def _tail_text(path: str) -> str:
+        lines = [x for x in logfiles.tail(path, TAIL_LINES + 10) if not x.startswith("[replica]")]
+        return "\n".join(lines[-TAIL_LINES:]) or "(no output)"
+
+
+def _local_addr(addr: str, plan: Plan) -> str:
+    """A registered address (advertised host) as the plan names it (bind host)."""
+    port = addr.rpartition(":")[2]
+    for p in plan.servers:
+        if str(p.port) == port:
+            return p.addr
+    return addr
+
+
+def _root_cause(log_dir: Path, torchrun_log: str) -> tuple[int | None, int | None]:
+    """torchrun's failure report names the first failing rank and its exit code:
+    "rank : 1 (local_rank: 1)" then "exitcode : 5 (pid: 123)"."""
+    text = "\n".join(logfiles.tail(torchrun_log, 60))
+    head = max(text.rfind("Root Cause"), 0)
+    m = re.search(r"\brank\s*:\s*(\d+)", text[head:])
+    if m:
+        code = re.search(r"exitcode\s*:\s*(-?\d+)", text[head + m.end() :])
+        return int(m.group(1)), (int(code.group(1)) if code else None)
+    failing = []
+    for label, path in logfiles.select_logs(log_dir, "rank").items():
+        if any("Error" in x or "Traceback" in x for x in logfiles.tail(path, TAIL_LINES)):
+            failing.append(int(label.split("-")[1]))
+    return (min(failing) if failing else None), None
+
+
+def run_daemon(plan_path: str, home: str, slot_fds: list[int]) -> int:
+    """The body of a detached job: the same supervisor, logging its events to its own file."""
+    plan = Plan.from_json(json.loads(Path(plan_path).read_text()))
+    claim = records.Claim.inherited(slot_fds, Path(plan_path))
+    sup = Supervisor(plan, Path(home), claim, on_event=_log_event)
+    signal.signal(
+        signal.SIGTERM, lambda *_: sup.request_stop("stopped by areal stop", EXIT_TERMINATED)
+    )
+    signal.signal(signal.SIGINT, lambda *_: sup.request_stop("interrupted"))
+    try:
+        return sup.run()
+    except ArealError as e:
+        print(f"error: {e.message}", flush=True)
+        return e.exit_code
+
+
+def _log_event(kind: str, info: dict) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {kind} {json.dumps(info, default=str)}", flush=True)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m areal_cli.schedulers.local.supervisor")
+    ap.add_argument("plan")
+    ap.add_argument("--home", required=True)
+    ap.add_argument("--slot-fd", type=int, action="append", required=True)
+    a = ap.parse_args()
+    sys.exit(run_daemon(a.plan, a.home, a.slot_fd))
