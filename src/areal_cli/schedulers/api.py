@@ -16,9 +16,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from areal_cli.spec import JobSpec
+if TYPE_CHECKING:
+    from areal_cli.spec import JobSpec
 
 # Job states, the same words for every scheduler.
 LIVE = ("pending", "starting", "running", "stopping")
