@@ -104,6 +104,7 @@ class Plan:
     log_dir: str
     registry: str
     marker: str
+    home: str = ""  # AREAL_HOME of the job: records, logs, the API key
     alloc: str | None = None
     processes: list[ProcessPlan] = field(default_factory=list)
     api_key: str | None = None  # never printed; the plan shows whether one is set

@@ -51,6 +51,8 @@ class WorkerContext:
     trial: str
     alloc: str | None
 
+    _rank_entry: Any = None  # (registry, entry, stop) while this rank is recorded
+
     @property
     def is_main(self) -> bool:
         return self.rank == 0
@@ -104,6 +106,14 @@ class WorkerContext:
             except RuntimeError:
                 pass
             dist.destroy_process_group()
+        if self._rank_entry is not None:
+            reg, entry, stop = self._rank_entry
+            stop.set()
+            try:
+                reg.deregister_rank(entry)
+            except Exception:
+                pass
+            self._rank_entry = None
         if _CONTEXT is self:
             _CONTEXT = None
         import gc
@@ -168,8 +178,14 @@ def connect(*, timeout_s: float = 600.0) -> WorkerContext:
         )
     mesh = dims.build_mesh(device_type)
 
+    experiment = os.environ.get("AREAL_EXPERIMENT") or settings.DEFAULT_EXPERIMENT
+    trial = os.environ.get("AREAL_TRIAL") or settings.DEFAULT_TRIAL
     servers = [a.strip() for a in os.environ.get("AREAL_LLM_SERVER_ADDRS", "").split(",")]
+    servers = [a for a in servers if a]
     backend = os.environ.get("AREAL_SERVER_BACKEND") or "sglang"
+    api_key = os.environ.get("AREAL_API_KEY") or None
+    if not servers and os.environ.get("AREAL_WAIT_SERVERS"):
+        servers, backend, api_key = _discover(experiment, trial, rank, world_size)
     log_dir = Path(os.environ.get("AREAL_LOG_DIR") or Path.cwd() / "areal-logs")
     log_dir.mkdir(parents=True, exist_ok=True)
     _CONTEXT = WorkerContext(
@@ -179,15 +195,94 @@ def connect(*, timeout_s: float = 600.0) -> WorkerContext:
         device=device,
         mesh=mesh,
         dims=dims,
-        servers=[a for a in servers if a],
+        servers=servers,
         backend=backend,
-        api_key=os.environ.get("AREAL_API_KEY") or None,
+        api_key=api_key,
         log_dir=log_dir,
-        experiment=os.environ.get("AREAL_EXPERIMENT") or settings.DEFAULT_EXPERIMENT,
-        trial=os.environ.get("AREAL_TRIAL") or settings.DEFAULT_TRIAL,
+        experiment=experiment,
+        trial=trial,
         alloc=alloc,
     )
+    _CONTEXT._rank_entry = _register_rank(experiment, trial, rank, local_rank, world_size)
     return _CONTEXT
+
+
+def _discover(experiment: str, trial: str, rank: int, world_size: int):
+    """Servers started beside the trainers (one cluster job) are known only at run time:
+    rank 0 waits for them in the registry, as `areal train` does, and tells every rank, so all
+    ranks use the same servers."""
+    import torch.distributed as dist
+
+    found: list = [None]
+    if rank == 0:
+        from areal_cli import discovery
+        from areal_cli.errors import ArealError
+        from areal_cli.registry import open_registry
+
+        try:
+            got = discovery.from_registry(
+                open_registry(os.environ.get("AREAL_REGISTRY")),
+                settings.home(),
+                experiment,
+                trial,
+                _env_int("AREAL_MIN_SERVERS", 1),
+                float(os.environ["AREAL_WAIT_SERVERS"]),
+            )
+            found[0] = (got.addrs, got.backend, got.api_key, None)
+        except ArealError as e:
+            found[0] = ([], "", None, e.message)
+    if world_size > 1:
+        dist.broadcast_object_list(found, src=0)
+    addrs, backend, key, error = found[0]
+    if error:
+        from areal_cli.errors import WaitTimeout
+
+        raise WaitTimeout(error)
+    return addrs, backend or "sglang", key
+
+
+def _register_rank(experiment: str, trial: str, rank: int, local_rank: int, world_size: int):
+    """Record this rank in the job's registry while it lives (host, pid, ranks, the job), so
+    the doctor finds every rank on every node. Training goes on if the registry cannot be
+    written; the doctor then falls back to looking at processes."""
+    url = os.environ.get("AREAL_REGISTRY")
+    if not url:
+        return None
+    import logging
+    import threading
+
+    from areal_cli import procs
+    from areal_cli.registry import RankEntry, open_registry
+
+    try:
+        reg = open_registry(url)
+        entry = RankEntry(
+            experiment=experiment, trial=trial, rank=rank, local_rank=local_rank,
+            world_size=world_size, host=settings.hostname(), pid=os.getpid(),
+            pid_create_time=procs.create_time(os.getpid()), job=f"{experiment}/{trial}",
+            marker=os.environ.get(procs.MARKER_ENV),
+            scheduler=os.environ.get("AREAL_SCHEDULER_NAME", "local"),
+            scheduler_job_id=os.environ.get("SLURM_JOB_ID"),
+            node=os.environ.get("SLURMD_NODENAME") or settings.hostname(),
+        )  # fmt: skip
+        reg.register_rank(entry)
+    except Exception as e:
+        logging.getLogger("areal").warning("rank %d not recorded in the registry: %s", rank, e)
+        return None
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(entry.ttl / 3):
+            try:
+                reg.keepalive_rank(entry)
+            except Exception:
+                try:
+                    reg.register_rank(entry)  # the registry lost it (a restart): add it again
+                except Exception:
+                    pass
+
+    threading.Thread(target=renew, name="areal-rank-lease", daemon=True).start()
+    return reg, entry, stop
 
 
 def close() -> None:

@@ -152,6 +152,7 @@ class LocalScheduler(Scheduler):
 
             health = discovery.healthy(probes, timeout=1.0)
         out = []
+        ranks = _live_ranks([rec for rec, state in rows if state in records.LIVE])
         for rec, state in rows:
             servers = [
                 ServerStatus(
@@ -176,6 +177,8 @@ class LocalScheduler(Scheduler):
                     message=rec.message,
                     exit_code=rec.exit_code,
                     marker=rec.marker,
+                    ranks_alive=ranks.get(rec.marker, (None, None))[0],
+                    world_size=ranks.get(rec.marker, (None, None))[1],
                 )
             )
         return out
@@ -256,3 +259,23 @@ class LocalScheduler(Scheduler):
 
     def _record(self, handle: Handle) -> records.JobRecord:
         return records.load(self.home, handle.experiment, handle.trial, handle.kind)
+
+
+def _live_ranks(recs: list[records.JobRecord]) -> dict[str, tuple[int, int]]:
+    """marker → (ranks alive, world size) from the registry's rank table, per training job."""
+    from areal_cli.errors import ArealError
+    from areal_cli.parallel import ParallelDims
+    from areal_cli.registry import open_registry
+
+    out: dict[str, tuple[int, int]] = {}
+    for rec in recs:
+        if rec.kind == "serve":
+            continue
+        try:
+            world = ParallelDims.from_alloc(rec.alloc).world_size if rec.alloc else 0
+            alive = [r for r in open_registry(rec.registry).ranks(rec.experiment, rec.trial)
+                     if r.marker == rec.marker]  # fmt: skip
+        except (ArealError, OSError):
+            continue
+        out[rec.marker] = (len(alive), alive[0].world_size if alive else world)
+    return out

@@ -77,6 +77,7 @@ def plan(spec: JobSpec, home: Path, registry_url: str, check_packages: bool = Tr
         trial=spec.trial,
         kind=spec.kind,
         log_dir=str(log_dir),
+        home=str(home),
         registry=registry.url,
         marker=marker,
         alloc=spec.alloc,
@@ -210,6 +211,8 @@ def worker_env(spec, t: TrainerRole, p: Plan, addrs, backend, key, visible: str)
         "AREAL_ALLOC": t.alloc,
         MESH_ENV: ParallelDims.from_alloc(t.alloc).to_env(),
         "AREAL_LOG_DIR": p.log_dir,
+        # Where the workers find the servers' API key when they discover servers themselves.
+        "AREAL_HOME": p.home,
         "CUDA_VISIBLE_DEVICES": visible,
         "CUDA_DEVICE_MAX_CONNECTIONS": "1",
         "TOKENIZERS_PARALLELISM": "false",

@@ -317,7 +317,10 @@ class Supervisor:
             procs.terminate(left, grace=3.0)
         try:
             for e in self.registry.list(self.plan.experiment, self.plan.trial, True).servers:
-                if e.marker == self.plan.marker and _local_addr(e.addr, self.plan) == proc.plan.addr:
+                if (
+                    e.marker == self.plan.marker
+                    and _local_addr(e.addr, self.plan) == proc.plan.addr
+                ):
                     self.registry.deregister(e.experiment, e.trial, e.id, e.lease)
         except (ArealError, OSError):
             pass
