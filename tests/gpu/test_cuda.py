@@ -32,7 +32,7 @@ def test_fsdp_on_cuda_trains_and_syncs_to_an_hf_server_on_cuda(tmp_path):
         assert server["gpus"] == [0]
         areal("train", "--alloc", "fsdp:d1", str(REPO / "templates/grpo/train.py"), "--config",
               str(REPO / "templates/grpo/tiny_cpu.yaml"), "steps=3", check=0, timeout=600)  # fmt: skip
-        with urllib.request.urlopen(f"http://{server['addr']}/get_weight_version") as r:
+        with urllib.request.urlopen(f"http://{server['addr']}/model_info") as r:
             assert json.loads(r.read())["weight_version"] == "3"
     finally:
         areal("stop", "default/trial0", check=0)

@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--bucket-bytes", type=int, default=256 << 20)
     ap.add_argument("--wait-file", default=None)
     ap.add_argument("--weights-dir", default=None)
+    ap.add_argument("--flatten", action="store_true", help="send flattened_bucket buckets")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -69,6 +70,7 @@ def main() -> None:
                 timeout=args.timeout,
                 bucket_bytes=args.bucket_bytes,
                 tokenizer_from=args.model if args.method == "disk" else None,
+                flatten=args.flatten or None,
             )
             line.update(ok=True, version=out["version"], bytes=out["bytes"])
             line["servers"] = client.live_servers()

@@ -69,18 +69,20 @@ def run_trainer(cmd: list[str], timeout: float = 240) -> list[dict]:
     return [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
 
 
-def test_distributed_sync_reaches_every_replica_and_reuses_its_group(models, tmp_path):
+@pytest.mark.parametrize("flatten", [False, True], ids=["per-tensor", "flattened_bucket"])
+def test_distributed_sync_reaches_every_replica_and_reuses_its_group(models, tmp_path, flatten):
     servers = start(models["tiny"], tmp_path, 2)
     try:
         before = [greedy(s) for s in servers]
-        lines = run_trainer(trainer(models["tiny"], servers, "--syncs", "2"))
-        assert [x["ok"] for x in lines] == [True, True], lines
+        extra = ["--flatten"] if flatten else []
+        lines = run_trainer(trainer(models["tiny"], servers, "--syncs", "3", *extra))
+        assert [x["ok"] for x in lines] == [True, True, True], lines
         for s in servers:
-            assert version(s) == "2"
+            assert version(s) == "3"
             assert greedy(s) == lines[-1]["expected"] != before[0]
-            # One group for both syncs: the rendezvous ran once per server.
+            # One group for every sync: the rendezvous ran once per server.
             assert s.log().count("init custom process group") == 1
-            assert s.log().count("weights updated from distributed") == 2
+            assert s.log().count("weights updated from distributed") == 3
     finally:
         for s in servers:
             s.stop()

@@ -209,7 +209,7 @@ def test_sync_weights_reaches_the_running_server(job, server):
 
     assert [info["synced_version"] for info in job["ranks"]] == ["step-1", "step-1"]
     assert job["ranks"][0]["server_versions"] == {f"127.0.0.1:{server.port}": "step-1"}
-    status, body = server.get("/get_weight_version")
+    status, body = server.get("/model_info")
     assert status == 200 and body["weight_version"] == "step-1"
 
     # The server now samples from the trained weights: its logprobs for a greedy

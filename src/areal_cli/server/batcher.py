@@ -334,6 +334,14 @@ class Batcher:
             if version is not None:
                 self.weight_version = version
 
+    async def adopt_weights(self, state: dict[str, Any], version: str | None) -> dict[str, Any]:
+        """`Engine.adopt_weights` between batches; returns the replaced tensors."""
+        async with self.lock:
+            old = await self.worker.run(self.engine.adopt_weights, state)
+            if version is not None:
+                self.weight_version = version
+            return old
+
     def stats(self) -> dict[str, Any]:
         return {
             "requests_served": self.requests_served,

@@ -135,6 +135,8 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, revision=self.revision)
         model = _from_pretrained(self.model_path, self.dtype, revision=self.revision)
         model = model.to(self.device)
+        if self.device == "cpu":
+            _own_memory(model)
         model.eval()
         self.model = model
 
@@ -196,8 +198,8 @@ class Engine:
         return {name: state[name] for name in current}
 
     def swap_weights(self, state: dict[str, Any], path: str | Path | None = None) -> None:
-        """Install weights from `read_weights` or a received update (a subset of the
-        tensors is fine). Call only between batches."""
+        """Copy weights from `read_weights` into the model (a subset of the tensors is
+        fine). Call only between batches."""
         import torch
 
         params = self.model.state_dict()
@@ -206,6 +208,31 @@ class Engine:
                 params[name].copy_(tensor)
         if path is not None:
             self.weights_path = str(path)
+
+    def adopt_weights(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Make the received tensors the model's own (no copy): each must have the served
+        dtype, shape and device. Returns the tensors they replace, which a later update can
+        receive into. Call only between batches."""
+        holders = self._holders()
+        old = {}
+        for name, tensor in state.items():
+            module, attr = holders[name]
+            current = getattr(module, attr)
+            old[name] = current.data
+            current.data = tensor
+        return old
+
+    def _holders(self) -> dict[str, tuple[Any, str]]:
+        """state-dict name -> (module, attribute) of every parameter and buffer, tied ones
+        under each of their names."""
+        out = {}
+        for name, _ in self.model.named_parameters(remove_duplicate=False):
+            prefix, _, attr = name.rpartition(".")
+            out[name] = (self.model.get_submodule(prefix), attr)
+        for name, _ in self.model.named_buffers(remove_duplicate=False):
+            prefix, _, attr = name.rpartition(".")
+            out[name] = (self.model.get_submodule(prefix), attr)
+        return out
 
     def tensor_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """name -> (dtype name, shape) of every tensor a weight update may replace."""
@@ -512,6 +539,17 @@ def _pick_dtype(requested: str, device: str) -> Any:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
         requested
     ]
+
+
+def _own_memory(model: Any) -> None:
+    """Copy the weights out of the checkpoint's memory map: an update that writes into a
+    mapped page pays a copy-on-write fault for it (measured: a first weight sync twice as
+    slow as the next)."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()
 
 
 def _from_pretrained(path: str, dtype: Any, **kwargs: Any) -> Any:

@@ -109,6 +109,20 @@ class Group:
             opts.timeout = datetime.timedelta(seconds=timeout_s)
         self._backend.broadcast([tensor], opts).wait()
 
+    def broadcast_all(self, tensors: list[Any], timeout_s: float | None = None) -> None:
+        """`broadcast` of each tensor in order, all posted at once so that the backend's
+        worker threads overlap them; returns when every one is done."""
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        if timeout_s is not None:
+            opts.timeout = datetime.timedelta(seconds=timeout_s)
+        works = [self._backend.broadcast([t], opts) for t in tensors]
+        for work in works:
+            work.wait()
+
     def close(self) -> None:
         """Release the group's connections (peers blocked on it then fail, not hang)."""
         backend, self._backend = self._backend, None

@@ -61,6 +61,9 @@ class WeightUpdates:
         self.groups: dict[str, _Group] = {}
         self.session: _Session | None = None
         self._model_bytes: int | None = None
+        # The tensors the last update replaced: the next one receives into them, so a sync
+        # allocates nothing (and touches no fresh page) on the server.
+        self._spares: dict[str, Any] = {}
 
     # -- groups -------------------------------------------------------------------------------
 
@@ -109,6 +112,8 @@ class WeightUpdates:
                 backend=backend,
                 timeout_s=self.timeout_s,
             )
+            if not self._spares:
+                self._spares = await asyncio.to_thread(self._blank_spares, entry.group.device)
         except Exception as e:
             self.groups.pop(group_name, None)
             message = f"Failed to initialize custom process group: {e}."
@@ -162,7 +167,12 @@ class WeightUpdates:
         elif session.staged:
             started = time.perf_counter()
             old = self.batcher.weight_version
-            await self.batcher.swap_weights(session.staged, None, session.version)
+            device = str(self.engine.device)
+            if all(str(t.device).split(":")[0] == device.split(":")[0]
+                   for t in session.staged.values()):  # fmt: skip
+                self._spares = await self.batcher.adopt_weights(session.staged, session.version)
+            else:  # received on the CPU (gloo) for a model on a GPU
+                await self.batcher.swap_weights(session.staged, None, session.version)
             log.info(
                 "weights updated from distributed: %d tensors, version %s -> %s in %.2fs",
                 len(session.staged), old, self.batcher.weight_version,
@@ -217,8 +227,10 @@ class WeightUpdates:
         session.in_flight += 1
         session.groups.add(group_name)
         try:
+            flattened = load_format == "flattened_bucket"
+            buffers = {} if flattened else self._take_spares(metas, entry.group.device)
             received = await asyncio.to_thread(
-                _receive, entry.group, metas, load_format == "flattened_bucket", self.timeout_s
+                _receive, entry.group, metas, flattened, self.timeout_s, buffers
             )
         except Exception as e:
             session.broken = session.broken or f"receive failed: {e}"
@@ -249,6 +261,28 @@ class WeightUpdates:
             message += f" Weight version updated to {weight_version}."
         return True, message
 
+    def _blank_spares(self, device: str) -> dict[str, Any]:
+        """Receive buffers for a whole model, their pages touched now rather than during the
+        first sync."""
+        import torch
+
+        if device != str(self.engine.device).split(":")[0]:
+            return {}
+        return {n: torch.zeros_like(t) for n, t in self.engine.model.state_dict().items()}
+
+    def _take_spares(self, metas: list[TensorMeta], device: str) -> dict[str, Any]:
+        out = {}
+        for m in metas:
+            t = self._spares.get(m.name)
+            if (
+                t is not None
+                and str(t.dtype).removeprefix("torch.") == m.dtype
+                and tuple(t.shape) == m.shape
+                and t.device.type == device
+            ):
+                out[m.name] = self._spares.pop(m.name)
+        return out
+
     def _served_bytes(self) -> int:
         if self._model_bytes is None:
             self._model_bytes = sum(
@@ -277,7 +311,11 @@ def _metas(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list
 
 
 def _receive(
-    group: weight_group.Group, metas: list[TensorMeta], flattened: bool, timeout_s: float
+    group: weight_group.Group,
+    metas: list[TensorMeta],
+    flattened: bool,
+    timeout_s: float,
+    buffers: dict[str, Any],
 ) -> dict[str, Any]:
     import torch
 
@@ -288,9 +326,11 @@ def _receive(
         return weight_group.unflatten(bucket, metas)
     out = {}
     for m in metas:
-        t = torch.empty(m.shape, dtype=weight_group.torch_dtype(m.dtype), device=group.device)
-        group.broadcast(t, timeout_s)
+        t = buffers.get(m.name)
+        if t is None:
+            t = torch.empty(m.shape, dtype=weight_group.torch_dtype(m.dtype), device=group.device)
         out[m.name] = t
+    group.broadcast_all(list(out.values()), timeout_s)
     return out
 
 

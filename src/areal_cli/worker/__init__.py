@@ -7,7 +7,7 @@
     client = ctx.rollout_client()
     groups = client.run(client.generate_batch(prompts, n=8, max_new_tokens=256))
     ...
-    sync_weights(model, client, ctx.log_dir / "weights", version=step)
+    sync_weights(model, client, method="distributed", version=step)   # or method="disk" + a path
 
 Nothing heavy is imported until a name is used.
 """
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from areal_cli.worker.fsdp import shard_model, transformer_blocks
-    from areal_cli.worker.rollout import Completion, RolloutClient, RolloutError
+    from areal_cli.worker.rollout import Completion, RolloutClient, RolloutError, SyncError
     from areal_cli.worker.runtime import WorkerContext, close, connect
     from areal_cli.worker.weights import full_state_dict, save_hf_checkpoint, sync_weights
 
@@ -29,6 +29,7 @@ _EXPORTS = {
     "RolloutClient": "rollout",
     "Completion": "rollout",
     "RolloutError": "rollout",
+    "SyncError": "rollout",
     "shard_model": "fsdp",
     "transformer_blocks": "fsdp",
     "save_hf_checkpoint": "weights",
@@ -40,6 +41,7 @@ __all__ = [
     "Completion",
     "RolloutClient",
     "RolloutError",
+    "SyncError",
     "WorkerContext",
     "close",
     "connect",

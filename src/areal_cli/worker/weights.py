@@ -210,6 +210,7 @@ def sync_weights(
     pause_mode: str | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     timeout: float = 600.0,
+    flatten: bool | None = None,
 ) -> dict[str, Any]:
     """Get `model`'s weights (sharded with FSDP2 or not) to every inference server.
 
@@ -219,7 +220,8 @@ def sync_weights(
     keep). `version` labels the new weights on the servers; `dtype` casts floating tensors
     (by default the dtype the servers report, else the model's). `timeout` bounds the
     rendezvous and each broadcast: a server that dies mid-sync makes this raise within it,
-    naming the server, instead of hanging.
+    naming the server, instead of hanging. `flatten` sends each bucket as one SGLang
+    `flattened_bucket` (default: over nccl; over gloo tensor by tensor).
 
     Returns {"version", "method", "bytes", "gather_s", "transfer_s", ...} on every rank.
     `client` is only used on rank 0 (other ranks may pass theirs, it stays untouched).
@@ -254,7 +256,9 @@ def sync_weights(
             try:
                 if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
                     state.pop("lm_head.weight", None)  # the servers tie it themselves
-                sent = client.run(_send(client, state, v, dtype, pause_mode, bucket_bytes, timeout))
+                sent = client.run(
+                    _send(client, state, v, dtype, pause_mode, bucket_bytes, timeout, flatten)
+                )
                 result[0] = {"ok": True, **sent}
             except Exception as e:
                 error = e
@@ -382,6 +386,7 @@ async def _send(
     pause_mode: str | None,
     bucket_bytes: int,
     timeout: float,
+    flatten: bool | None = None,
 ) -> dict[str, Any]:
     from areal_cli.worker.rollout import SyncError
 
@@ -394,7 +399,7 @@ async def _send(
         if transfer.vllm:
             await _send_vllm(client, transfer, tensors, version, timeout)
         else:
-            await _send_sglang(client, transfer, tensors, version, bucket_bytes, timeout)
+            await _send_sglang(client, transfer, tensors, version, bucket_bytes, timeout, flatten)
     except BaseException as e:
         await _abandon(client, transfer)
         try:
@@ -416,10 +421,15 @@ async def _send_sglang(
     version: str | None,
     bucket_bytes: int,
     timeout: float,
+    flatten: bool | None,
 ) -> None:
-    from areal_cli.server import weight_group
-
+    """Each bucket: one /update_weights_from_distributed per server and rank 0's broadcast,
+    at once. Over nccl a bucket goes as one `flattened_bucket` (few large collectives);
+    over gloo tensor by tensor, which spares the sender a copy of the whole model and
+    lets a server receive straight into the tensors it will serve."""
     servers = transfer.servers
+    if flatten is None:
+        flatten = transfer.backend == "nccl"
     http_timeout = timeout + 30
     await _begin(client, servers)
     buckets = list(_buckets(tensors, bucket_bytes))
@@ -430,23 +440,32 @@ async def _send_sglang(
             "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
             "shapes": [list(t.shape) for _, t in bucket],
             "group_name": transfer.name,
-            "load_format": "flattened_bucket",
             "flush_cache": last,
         }
+        if flatten:
+            payload["load_format"] = "flattened_bucket"
         if last and version is not None:
             payload["weight_version"] = version
-        flat = weight_group.flatten([t for _, t in bucket])
-        if transfer.backend == "nccl":
-            flat = flat.cuda()
         http = client.on_servers(
             servers, "update_weights_from_distributed",
             lambda s, p=payload: client._control(
                 s, "/update_weights_from_distributed", p, timeout=http_timeout
             ),
         )  # fmt: skip
-        await _together(http, transfer.group.broadcast, flat, timeout)
+        await _together(http, _broadcast_bucket, transfer, [t for _, t in bucket], flatten, timeout)
     await client.on_servers(servers, "end_weight_update",
                             lambda s: client._control(s, "/end_weight_update", {}))  # fmt: skip
+
+
+def _broadcast_bucket(transfer: _Transfer, tensors: list[Any], flatten: bool, timeout: float):
+    from areal_cli.server import weight_group
+
+    if flatten:
+        tensors = [weight_group.flatten(tensors)]
+    on_gpu = transfer.backend == "nccl"
+    transfer.group.broadcast_all(
+        [t.contiguous().cuda() if on_gpu else t.contiguous() for t in tensors], timeout
+    )
 
 
 async def _begin(client: RolloutClient, servers: list[str]) -> None:

@@ -1,0 +1,186 @@
+"""Weight sync to inference servers: a broadcast over a process group against a checkpoint on
+disk, in one run.
+
+    python benchmarks/bench_weight_sync.py [--hidden 768 --layers 16] [--rounds 3] [--grpo-steps 8]
+
+1. A ~100M-parameter Qwen2-style model is written locally (areal's modelgen, the model
+   `areal init-model` writes, scaled up) and served by two hf replicas. One trainer process
+   syncs it to both, alternating `sync_weights(method="distributed")` (gloo broadcast of
+   flattened buckets) and `method="disk"` (an HF checkpoint both replicas reload); the first
+   distributed sync, which builds the group, is a warm-up. Prints the median seconds and
+   MB/s of each, and `weight_sync_distributed_over_disk` (target <= 0.5).
+2. The GRPO example (tiny model, two FSDP ranks, one hf server) runs a few steps with each
+   method; prints the share of the step time spent syncing weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import report  # noqa: E402
+
+TARGET = 0.5
+REPO = Path(__file__).resolve().parents[1]
+
+TRAINER = r"""
+import json, sys, time, torch
+from transformers import AutoModelForCausalLM
+from areal_cli.worker.rollout import RolloutClient
+from areal_cli.worker.weights import sync_weights
+model_dir, servers, rounds, out_dir = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]), sys.argv[4]
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+client = RolloutClient(servers, backend="hf")
+def once(method, k):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-3)
+    t = time.perf_counter()
+    out = sync_weights(model, client, f"{out_dir}/v{k}" if method == "disk" else None,
+                       method=method, version=k, tokenizer_from=model_dir)
+    return {"method": method, "seconds": time.perf_counter() - t, "bytes": out["bytes"]}
+print(json.dumps({"warmup": once("distributed", 0)}), flush=True)
+k = 1
+for _ in range(rounds):
+    for method in ("distributed", "disk"):
+        print(json.dumps(once(method, k)), flush=True)
+        k += 1
+client.close_sync()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "areal_cli.server", "--model-path", str(model), "--port", str(port)],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    return proc, f"127.0.0.1:{port}"
+
+
+def _wait_healthy(addr: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server {addr} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://{addr}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"server {addr} not healthy after {timeout}s")
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def sync_benchmark(root: Path, hidden: int, layers: int, rounds: int) -> bool:
+    from areal_cli.modelgen import create_tiny_model, model_summary
+
+    model = create_tiny_model(root / "m100", hidden_size=hidden, num_layers=layers,
+                              num_heads=12, num_kv_heads=4, intermediate_size=2048)  # fmt: skip
+    params = model_summary(model)["params"]
+    print(f"model: {params / 1e6:.1f}M parameters (float32), 2 hf replicas", flush=True)
+    servers = [_serve(model, root / f"server-{i}.log") for i in range(2)]
+    try:
+        for proc, addr in servers:
+            _wait_healthy(addr, proc)
+        addrs = ",".join(addr for _, addr in servers)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        res = subprocess.run(
+            [sys.executable, "-c", TRAINER, str(model), addrs, str(rounds), str(root / "ckpt")],
+            capture_output=True, text=True, env=env, timeout=3600,
+        )  # fmt: skip
+        if res.returncode != 0:
+            raise SystemExit(f"trainer failed:\n{res.stderr[-3000:]}")
+    finally:
+        _stop([p for p, _ in servers])
+    lines = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
+    warmup = lines[0]["warmup"]
+    by = {m: [x for x in lines[1:] if x["method"] == m] for m in ("distributed", "disk")}
+    med = {m: statistics.median(x["seconds"] for x in rows) for m, rows in by.items()}
+    mb = {m: by[m][0]["bytes"] / 1e6 for m in by}
+    print(f"distributed first sync (builds the group): {warmup['seconds']:.2f}s", flush=True)
+    for m in ("distributed", "disk"):
+        print(f"{m}: median {med[m]:.2f}s of {len(by[m])}, {mb[m]:.0f} MB per sync, "
+              f"{mb[m] / med[m]:.0f} MB/s (to each of 2 replicas)", flush=True)  # fmt: skip
+    ratio = med["distributed"] / med["disk"]
+    return report("weight_sync_distributed_over_disk", ratio, f"<= {TARGET}", ratio <= TARGET)
+
+
+def grpo_benchmark(root: Path, steps: int) -> None:
+    from areal_cli.modelgen import create_tiny_model
+
+    model = create_tiny_model(root / "tiny", seed=0)
+    proc, addr = _serve(model, root / "grpo-server.log")
+    try:
+        _wait_healthy(addr, proc)
+        for method in ("distributed", "disk"):
+            log_dir = root / f"grpo-{method}"
+            env = {**os.environ, "AREAL_LLM_SERVER_ADDRS": addr, "AREAL_SERVER_BACKEND": "hf",
+                   "AREAL_ALLOC": "fsdp:d2", "AREAL_LOG_DIR": str(log_dir),
+                   "OMP_NUM_THREADS": "1"}  # fmt: skip
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                   "--master-port", str(_free_port()), str(REPO / "templates/grpo/train.py"),
+                   "--config", str(REPO / "templates/grpo/tiny_cpu.yaml"), f"steps={steps}",
+                   f"sync_method={method}"]  # fmt: skip
+            res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+            if res.returncode != 0:
+                raise SystemExit(f"GRPO ({method}) failed:\n{res.stderr[-3000:]}")
+            rows = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
+            rows = rows[1:]  # the first step pays for the group's rendezvous / first write
+            sync = statistics.mean(r["sync_s"] for r in rows)
+            step = statistics.mean(r["step_time_s"] for r in rows)
+            print(f"grpo_sync_share_{method}: {sync / step:.3f}   (sync {sync * 1000:.0f} ms "
+                  f"of a {step * 1000:.0f} ms step, tiny model, 2 FSDP ranks)", flush=True)  # fmt: skip
+    finally:
+        _stop([proc])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--grpo-steps", type=int, default=8)
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
+    try:
+        ok = sync_benchmark(root, args.hidden, args.layers, args.rounds)
+        grpo_benchmark(root, args.grpo_steps)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
