@@ -45,11 +45,24 @@ COLORS = [
 ]
 
 
+NAME_MAX = 100  # names become directory names and registry keys; 255 bytes is the file limit
+
+
 def check_name(kind: str, value: str) -> str:
-    ok = value and all(c.isalnum() or c in "-_." for c in value) and not value.startswith(".")
-    if not ok:
+    """Experiment and trial names: ASCII letters, digits, '-', '_', '.', not starting with
+    '-' (it would read as an option) or '.' (hidden, and '..'), at most NAME_MAX long."""
+    import re
+
+    shown = value if len(value) <= 40 else value[:40] + "..."
+    if len(value) > NAME_MAX:
         raise UsageError(
-            f"{kind} name {value!r} is not usable", hint="use letters, digits, '-', '_' and '.'"
+            f"{kind} name {shown!r} is {len(value)} characters long",
+            hint=f"use at most {NAME_MAX}",
+        )
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", value or ""):
+        raise UsageError(
+            f"{kind} name {shown!r} is not usable",
+            hint="use ASCII letters, digits, '-', '_' and '.', starting with a letter, digit or '_'",
         )
     return value
 
@@ -89,7 +102,10 @@ def load_config(path: Path | None, schema: dict[str, str]) -> dict[str, Any]:
 
 def _convert(path: Path, key: str, v: Any, kind: str) -> Any:
     def bad() -> UsageError:
-        want = {"posint": "an integer >= 1", "port": "a port (1-65535)", "list": "a list"}
+        want = {
+            "posint": "an integer >= 1", "port": "a port (1-65535)", "list": "a list",
+            "posfloat": "a number > 0", "nonneg": "a number >= 0",
+        }  # fmt: skip
         return UsageError(f"config file {path}: {key} is {v!r}, not {want.get(kind, 'a ' + kind)}")
 
     if kind == "list":
@@ -107,10 +123,16 @@ def _convert(path: Path, key: str, v: Any, kind: str) -> Any:
     if isinstance(v, bool):
         raise bad()
     try:
-        num = float(v) if kind == "float" else int(str(v))
+        num = float(v) if kind in ("float", "posfloat", "nonneg") else int(str(v))
     except ValueError:
         raise bad() from None
+    import math
+
+    if isinstance(num, float) and not math.isfinite(num):
+        raise bad()
     if (kind == "posint" and num < 1) or (kind == "port" and not 0 < num < 65536):
+        raise bad()
+    if (kind == "posfloat" and num <= 0) or (kind == "nonneg" and num < 0):
         raise bad()
     return num
 
@@ -122,6 +144,17 @@ def job_names(experiment, trial, config: dict) -> tuple[str, str]:
         ),
         check_name("trial", pick(trial, config, "trial", settings.DEFAULT_TRIAL)),
     )
+
+
+def seconds(flag: str, value) -> float:
+    """A duration from a flag or the config: finite and positive (`nan` and `inf` parse as
+    floats and slip through a range check)."""
+    import math
+
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise UsageError(f"{flag} {value:g} is not a number of seconds >= 0")
+    return value
 
 
 def pick(flag_value, config: dict, key: str, default):

@@ -22,13 +22,14 @@ from ._common import (
     run_detached,
     run_foreground,
     scheduler_for,
+    seconds,
     show_plan,
 )
 
 CONFIG_KEYS = {
     "backend": "str", "model": "str", "alloc": "str", "dp": "posint", "tp": "posint",
     "experiment": "str", "trial": "str", "host": "str", "port_base": "port", "gpus": "str",
-    "health_timeout": "float", "python": "str", "api_key": "str", "seed": "int",
+    "health_timeout": "posfloat", "python": "str", "api_key": "str", "seed": "int",
     "extra_args": "list", "scheduler": "str", "allow_unauthenticated_control": "bool",
 }  # fmt: skip
 
@@ -173,7 +174,9 @@ def register(app: typer.Typer) -> None:
             alloc=alloc or f"{backend}:d{role.replicas}t{role.tp}" + (f"p{pp}" if pp > 1 else ""),
             gpus_flag=None if gpus_flag is None else str(gpus_flag),
             api_key=str(pick(api_key, cfg, "api_key", "auto")),
-            health_timeout=float(pick(health_timeout, cfg, "health_timeout", 600.0)),
+            health_timeout=seconds(
+                "--health-timeout", pick(health_timeout, cfg, "health_timeout", 600.0)
+            ),
         )
         sched = scheduler_for(scheduler, cfg, home, registry)
         request = sched.dryrun(spec, check_packages=not dry_run)

@@ -23,14 +23,15 @@ from ._common import (
     python_default,
     run_foreground,
     scheduler_for,
+    seconds,
     show_plan,
 )
 
 CONFIG_KEYS = {
     "alloc": "str", "experiment": "str", "trial": "str", "servers": "str",
-    "min_servers": "posint", "wait_servers": "float", "nnodes": "posint", "node_rank": "int",
+    "min_servers": "posint", "wait_servers": "nonneg", "nnodes": "posint", "node_rank": "int",
     "master_addr": "str", "master_port": "port", "gpus": "str", "debug_preset": "str",
-    "model": "str", "python": "str", "health_timeout": "float", "api_key": "str",
+    "model": "str", "python": "str", "health_timeout": "posfloat", "api_key": "str",
     "areal_overrides": "bool", "scheduler": "str",
 }  # fmt: skip
 
@@ -212,7 +213,11 @@ def register(app: typer.Typer) -> None:
                     _explicit_key(pick(api_key, cfg, "api_key", None)),
                 )
             else:
-                wait = 0.0 if dry_run else float(pick(wait_servers, cfg, "wait_servers", 60.0))
+                wait = (
+                    0.0
+                    if dry_run
+                    else seconds("--wait-servers", pick(wait_servers, cfg, "wait_servers", 60.0))
+                )
                 need = int(pick(min_servers, cfg, "min_servers", 1))
                 reg = open_registry(reg_root)
                 with console.err.status(
@@ -247,7 +252,9 @@ def register(app: typer.Typer) -> None:
             alloc=alloc,
             gpus_flag=pick(gpus, cfg, "gpus", None),
             api_key=str(pick(api_key, cfg, "api_key", "auto")),
-            health_timeout=float(pick(health_timeout, cfg, "health_timeout", 600.0)),
+            health_timeout=seconds(
+                "--health-timeout", pick(health_timeout, cfg, "health_timeout", 600.0)
+            ),
             external_servers=tuple(found.addrs) if found else (),
             external_backend=found.backend if found else None,
             external_api_key=found.api_key if found else None,

@@ -30,16 +30,25 @@ class Found:
     skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
-def healthy(addrs: list[str], api_key: str | None = None, timeout: float = 2.0) -> dict[str, bool]:
-    """addr → answers /health within `timeout` (all probed at once, up to MAX_PROBES)."""
+def healthy(
+    addrs: list[str],
+    api_key: str | None = None,
+    timeout: float = 2.0,
+    deadline: float | None = None,
+) -> dict[str, bool]:
+    """addr → answers /health within `timeout` (MAX_PROBES at once). With a `deadline`
+    (time.monotonic()), no probe runs past it: those it leaves out count as not healthy."""
     addrs = list(dict.fromkeys(addrs))
     if not addrs:
         return {}
     from concurrent.futures import ThreadPoolExecutor
 
     def one(addr: str) -> bool:
+        budget = timeout if deadline is None else min(timeout, deadline - time.monotonic())
+        if budget <= 0:
+            return False
         host, _, port = addr.rpartition(":")
-        return probe_health(host.strip("[]"), int(port), "/health", api_key, timeout=timeout)
+        return probe_health(host.strip("[]"), int(port), "/health", api_key, timeout=budget)
 
     with ThreadPoolExecutor(max_workers=min(MAX_PROBES, len(addrs))) as ex:
         return dict(zip(addrs, ex.map(one, addrs), strict=True))
@@ -86,8 +95,9 @@ def from_registry(
     while True:
         entries = _unique(registry.list(experiment, trial).servers)
         usable, key, skipped = trusted(home, entries)
-        left = deadline - time.monotonic()
-        status = healthy([e.addr for e in usable], key, timeout=max(0.2, min(2.0, left)))
+        # At least a short round even when the wait is over (--wait-servers 0 still looks).
+        round_end = max(deadline, time.monotonic() + 0.5)
+        status = healthy([e.addr for e in usable], key, timeout=2.0, deadline=round_end)
         good = [e for e in usable if status.get(e.addr)]
         left = deadline - time.monotonic()
         if on_progress:

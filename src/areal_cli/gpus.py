@@ -81,6 +81,40 @@ def query_nvidia_smi() -> list[Gpu]:
     return parse_nvidia_smi_csv(res.stdout)
 
 
+COMPUTE_APPS_QUERY = [
+    "--query-compute-apps=gpu_uuid,pid,used_memory",
+    "--format=csv,noheader,nounits",
+]
+
+
+def busy(inventory: GpuInventory) -> dict[int, str]:
+    """GPUs of this inventory that nvidia-smi shows a compute process on (anyone's: other
+    users' servers and trainers count), index → who."""
+    exe = shutil.which("nvidia-smi")
+    if not exe or not inventory.gpus:
+        return {}
+    try:
+        res = subprocess.run(
+            [exe, *COMPUTE_APPS_QUERY], capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    if res.returncode != 0:
+        return {}
+    by_uuid = {g.uuid: g.index for g in inventory.gpus if g.uuid}
+    if not by_uuid:
+        # An inventory from --gpus or CUDA_VISIBLE_DEVICES indices: nvidia-smi names the uuids.
+        by_uuid = {g.uuid: g.index for g in query_nvidia_smi()}
+    out: dict[int, str] = {}
+    for line in res.stdout.splitlines():
+        cols = [c.strip() for c in line.split(",")]
+        if len(cols) < 2 or cols[0] not in by_uuid or not cols[1].isdigit():
+            continue
+        mem = f", {cols[2]} MiB" if len(cols) > 2 and cols[2].isdigit() else ""
+        out.setdefault(by_uuid[cols[0]], f"pid {cols[1]} (a GPU process{mem})")
+    return out
+
+
 def parse_nvidia_smi_csv(text: str) -> list[Gpu]:
     gpus = []
     for line in text.splitlines():

@@ -45,6 +45,21 @@ def registry_url(override: str | Path | None = None) -> str:
     return str(Path(raw).expanduser().resolve())
 
 
+def registry_ttl() -> float:
+    """AREAL_REGISTRY_TTL: seconds a registered server or rank outlives its last renewal
+    (renewed every third of it). Shorter drops dead hosts sooner and costs more writes."""
+    from areal_cli.errors import UsageError
+
+    raw = os.environ.get("AREAL_REGISTRY_TTL", "30")
+    try:
+        ttl = float(raw)
+    except ValueError:
+        ttl = float("nan")
+    if not 1 <= ttl <= 3600:
+        raise UsageError(f"AREAL_REGISTRY_TTL={raw!r} is not a number of seconds in 1..3600")
+    return ttl
+
+
 def log_dir(home_dir: Path, experiment: str, trial: str) -> Path:
     return home_dir / "logs" / user() / experiment / trial
 

@@ -81,6 +81,8 @@ def test_sigint_tears_down_everything(model, areal_env, tmp_path):
     try:
         assert _wait(lambda: len(_entries(reg)) == 2, 20), "servers never registered"
         assert len(_pids(pidfile)) == 4  # two servers, two grandchildren
+        # Ready once the supervisor has seen both registered (the record says running).
+        assert _wait(lambda: '"running"' in areal("ps", "--json").stdout, 20)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=15)
     finally:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from areal_cli.health import probe_health
 
+EXIT_USAGE = 2
 EXIT_TIMEOUT = 3
 REPLICA_ENV = "AREAL_REPLICA_INDEX"
 PORT_TOKEN = "{port}"  # in argv, replaced by the port chosen on the node
@@ -100,8 +101,11 @@ class Replica:
             self.say(f"not healthy after {self.plan['health_timeout']:g}s; stopping it")
             self._shutdown()
             return EXIT_TIMEOUT
-        self._register(host, port)
-        return self._keep()
+        listed = self._register(host, port)
+        if listed is None:
+            self._shutdown()
+            return EXIT_USAGE
+        return self._keep(listed)
 
     def _wait_healthy(self, host: str, port: int) -> bool:
         deadline = time.monotonic() + float(self.plan["health_timeout"])
@@ -142,21 +146,25 @@ class Replica:
             scheduler_job_id=os.environ.get("SLURM_JOB_ID"),
             node=os.environ.get("SLURMD_NODENAME") or settings.hostname(),
         )
-        self._publish("registered")
+        return self._publish("registered")
 
-    def _publish(self, what: str) -> bool:
+    def _publish(self, what: str) -> bool | None:
+        """True once registered; False when the registry failed for now (it may be down for
+        a while: keep serving, try again); None when it refuses us for good."""
+        from areal_cli.errors import UsageError
+
         try:
             self.registry.register(self.entry, ttl=self.ttl)
-        except Exception as e:  # the registry may be down for a while: keep serving
+        except Exception as e:
             self.say(f"cannot register {self.entry.addr} in {self.registry.url}: {_why(e)}")
-            return False
+            return None if isinstance(e, UsageError) else False
         self.say(f"{what} {self.entry.addr} in {self.registry.url}")
         return True
 
-    def _keep(self) -> int:
+    def _keep(self, listed: bool) -> int:
         """Renew the lease while the server answers /health; follow it until it exits."""
         host, _, port = self.entry.addr.rpartition(":")
-        listed, bad, failed_renewals = True, 0, 0
+        bad, failed_renewals, dropped = 0, 0, False
         interval = max(0.05, self.ttl / 3)
         while True:
             code = self.server.poll()
@@ -179,23 +187,25 @@ class Replica:
                 bad += 1
                 if listed and bad >= UNHEALTHY_AFTER:
                     self._deregister()
-                    listed = False
+                    listed, dropped = False, True
                     self.say("server stopped answering /health; taken out of discovery")
                 continue
             bad = 0
             if not listed:
-                listed = self._publish("answers /health again; registered")
+                what = "answers /health again; registered" if dropped else "registered"
+                listed = bool(self._publish(what))
+                dropped = dropped and not listed
                 continue
             try:
                 self.registry.keepalive(self.entry)
-                if failed_renewals:
-                    self.say(f"renewal works again after {failed_renewals} failure(s)")
-                    # The registry may have lost the entry meanwhile (an etcd restart).
-                    listed = self._publish("registered again")
                 failed_renewals = 0
             except Exception as e:
                 failed_renewals += 1
                 self.say(f"renewal failed ({failed_renewals}): {_why(e)}")
+                # The registry may be back without our entry (its lease ran out meanwhile):
+                # a fresh registration under a new lease puts the server back.
+                if self._publish("registered again"):
+                    failed_renewals = 0
 
     def _deregister(self) -> None:
         if self.entry is None:
@@ -296,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError, StopIteration) as e:
         print(f"replica: bad plan {args.plan}: {e}", file=sys.stderr)
         return 2
+
     def stop(*_) -> None:
         replica.stop.set()
         replica.changed.set()

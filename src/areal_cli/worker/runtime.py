@@ -265,7 +265,7 @@ def _register_rank(experiment: str, trial: str, rank: int, local_rank: int, worl
             scheduler_job_id=os.environ.get("SLURM_JOB_ID"),
             node=os.environ.get("SLURMD_NODENAME") or settings.hostname(),
         )  # fmt: skip
-        reg.register_rank(entry)
+        reg.register_rank(entry, ttl=settings.registry_ttl())
     except Exception as e:
         logging.getLogger("areal").warning("rank %d not recorded in the registry: %s", rank, e)
         return None
@@ -277,7 +277,8 @@ def _register_rank(experiment: str, trial: str, rank: int, local_rank: int, worl
                 reg.keepalive_rank(entry)
             except Exception:
                 try:
-                    reg.register_rank(entry)  # the registry lost it (a restart): add it again
+                    # The registry lost it (a restart): add it again.
+                    reg.register_rank(entry, ttl=entry.ttl)
                 except Exception:
                     pass
 

@@ -61,6 +61,8 @@ class LocalScheduler(Scheduler):
         on_progress: Callable[[str], None] | None = None,
     ) -> Handle:
         plan = request.plan
+        if plan.servers:
+            _check_registry(plan.registry)
         claim = records.Claim.take(self.home, plan)
         handle = Handle(self.name, plan.experiment, plan.trial, plan.kind)
         if detach:
@@ -279,3 +281,17 @@ def _live_ranks(recs: list[records.JobRecord]) -> dict[str, tuple[int, int]]:
             continue
         out[rec.marker] = (len(alive), alive[0].world_size if alive else world)
     return out
+
+
+def _check_registry(url: str) -> None:
+    """Servers are only useful once registered: a registry we cannot write (another user's
+    folder, a read-only path, etcd refusing us) is a usage error before anything starts."""
+    from areal_cli.registry import open_registry
+
+    try:
+        open_registry(url).probe()
+    except OSError as e:
+        raise UsageError(
+            f"cannot write the registry at {url}: {e.strerror or e}",
+            hint="pick a writable --registry (or AREAL_REGISTRY)",
+        ) from None

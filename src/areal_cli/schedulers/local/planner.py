@@ -46,17 +46,32 @@ def resolve_api_key(flag: str, host: str) -> str | None:
     return flag
 
 
-def held_by_others(registry: Registry, home: Path) -> tuple[dict[int, str], set[int]]:
-    """GPUs (index → who) and ports that live jobs on this host hold: registered servers,
-    and every process of a live job record, including servers still loading (not yet
-    registered) and trainers (never registered)."""
+def held_by_others(
+    registry: Registry, home: Path, inventory: gpus.GpuInventory | None = None
+) -> tuple[dict[int, str], set[int]]:
+    """GPUs (index → who) and ports that live jobs on this host hold: every user's
+    registered servers, every process of our live job records (servers still loading,
+    trainers), and whatever nvidia-smi shows running on a GPU (other users' jobs too)."""
     me = settings.hostname()
     gpus_: dict[int, str] = {}
     ports: set[int] = set()
-    for e in registry.list().servers:
-        if e.host == me:
-            for g in e.gpus:
-                gpus_[g] = f"{e.experiment}/{e.trial} {e.addr}"
+    for user in dict.fromkeys([registry.user, *registry.users()]):
+        try:
+            entries = (
+                registry.for_user(user).list().servers
+                if user != registry.user
+                else registry.list().servers
+            )
+        except Exception:
+            continue  # another user's tree we may not read
+        who = "" if user == registry.user else f"user {user}: "
+        for e in entries:
+            if e.host == me:
+                for g in e.gpus:
+                    gpus_.setdefault(g, f"{who}{e.experiment}/{e.trial} {e.addr}")
+    if inventory is not None:
+        for g, who in gpus.busy(inventory).items():
+            gpus_.setdefault(g, who)
     for rec in records.list_all(home)[0]:
         if rec.host != me or rec.state not in records.LIVE or not rec.alive():
             continue
@@ -82,9 +97,10 @@ def plan(spec: JobSpec, home: Path, registry_url: str, check_packages: bool = Tr
         marker=marker,
         alloc=spec.alloc,
         health_timeout=spec.health_timeout,
+        registry_ttl=settings.registry_ttl(),
     )
     inventory = gpus.detect(spec.gpus_flag)
-    held, busy_ports = held_by_others(registry, home)
+    held, busy_ports = held_by_others(registry, home, inventory)
     free = [g for g in inventory.ids if g not in held]
 
     if spec.servers:
@@ -287,4 +303,4 @@ def _held_text(held: dict[int, str]) -> str:
     if not held:
         return ""
     parts = [f"GPU {g}: {who}" for g, who in sorted(held.items())]
-    return "; held by registered servers: " + "; ".join(parts)
+    return "; held by: " + "; ".join(parts)

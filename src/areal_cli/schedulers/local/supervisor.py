@@ -239,6 +239,7 @@ class Supervisor:
                     proc.healthy = True
                     rec = next(r for r in self.record.processes if r.pid == proc.popen.pid)
                     rec.server_pid = e.pid
+                    rec.addr = e.addr  # where others reach it (a wildcard bind advertises an IP)
                     records.write(self.home, self.record)
                     self.on_event("healthy", {"label": proc.label, "addr": e.addr})
             if pending and time.monotonic() >= deadline:

@@ -1,0 +1,354 @@
+"""A shared GPU node: another local user (a real other uid, via setpriv), two starts at once,
+a suspended supervisor, a stop with nothing alive, stops from outside, hostile inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from areal_cli import settings
+from areal_cli.registry import FileRegistry, ServerEntry
+from tests.helpers import AREAL, REPO, areal, fake_serve_args
+
+SCRIPT = str(REPO / "tests" / "fixtures" / "scripts" / "record_env.py")
+OTHER = 4242  # a uid no one uses here
+ME = settings.user()
+
+
+def _wait(pred, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return pred()
+
+
+def as_other(*argv: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen(
+        ["setpriv", f"--reuid={OTHER}", f"--regid={OTHER}", "--clear-groups", *argv], **kw
+    )
+
+
+@pytest.fixture
+def model(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture
+def shared_root(monkeypatch):
+    """A registry root another uid can reach, as /tmp/areal is."""
+    if shutil.which("setpriv") is None or os.getuid() != 0:
+        pytest.skip("needs root and setpriv to act as another user")
+    base = Path(tempfile.mkdtemp(prefix="areal-shared-", dir="/tmp"))
+    os.chmod(base, 0o755)
+    root = base / "name_resolve"
+    root.mkdir()
+    os.chmod(root, 0o1777)
+    monkeypatch.setenv("AREAL_REGISTRY", str(root))
+    yield root
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def other_server():
+    """An HTTP server of another user that answers 200 on /health and records requests."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (
+        "import http.server as h\n"
+        "class H(h.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.end_headers(); self.wfile.write(b'ok')\n"
+        "    do_POST = do_GET\n"
+        "    def log_message(self, *a): pass\n"
+        f"h.HTTPServer(('127.0.0.1', {port}), H).serve_forever()\n"
+    )
+    proc = as_other(sys.executable, "-c", code)
+    try:
+        assert _wait(lambda: _answers(port), 20)
+        yield port
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+# -- 1. planted servers --------------------------------------------------------------------
+
+
+def test_entries_another_user_planted_are_never_used(shared_root, other_server, tmp_path):
+    # The other user gets there first and makes "our" folder, with an entry of their server.
+    plant = (
+        "import os, sys\n"
+        "d = os.path.join(sys.argv[1], sys.argv[2], 'default', 'trial0', 'gen_servers', 'x')\n"
+        "os.makedirs(d)\n"
+        "open(os.path.join(d, 'ENTRY'), 'w').write('127.0.0.1:' + sys.argv[3])\n"
+    )
+    as_other(sys.executable, "-c", plant, str(shared_root), ME, str(other_server)).wait()
+    assert (shared_root / ME).stat().st_uid == OTHER
+    listing = FileRegistry(shared_root).list()
+    assert listing.servers == [] and "untrusted" in listing.skipped[0][1]
+    res = areal("train", "--alloc", "fsdp:d1", "--wait-servers", "1", SCRIPT, check=3)
+    assert f"127.0.0.1:{other_server}" not in res.stderr.split("searched")[0]
+    # Serving refuses to write into a folder another user made (and names it).
+    res = areal(*fake_serve_args(tmp_path, "--detach"), check=2)
+    assert "not yours" in res.stderr and str(shared_root / ME) in res.stderr
+
+
+def test_our_folder_is_private_so_nothing_can_be_planted(shared_root, model):
+    out = json.loads(areal(*fake_serve_args(model, "--detach", "--json"), check=0).stdout)
+    try:
+        assert oct((shared_root / ME).stat().st_mode & 0o777) == oct(0o700)
+        plant = "import os,sys; os.makedirs(os.path.join(sys.argv[1], 'default', 'x'))"
+        proc = as_other(sys.executable, "-c", plant, str(shared_root / ME), stderr=subprocess.PIPE)
+        assert proc.wait() != 0 and b"Permission denied" in proc.stderr.read()
+        assert [e.addr for e in FileRegistry(shared_root).list().servers] == [
+            s["addr"] for s in out["servers"]
+        ]
+    finally:
+        areal("stop", "default/trial0", check=0)
+
+
+def test_the_key_goes_only_to_servers_its_job_started(model, areal_env, tmp_path):
+    home, reg = areal_env
+    out = json.loads(
+        areal(*fake_serve_args(model, "--host", "0.0.0.0", "--detach", "--json"), check=0).stdout
+    )
+    try:
+        # An entry without our metadata (as AReaL writes them) beside our keyed servers.
+        d = reg / ME / "default" / "trial0" / "gen_servers" / "stranger"
+        d.mkdir()
+        (d / "ENTRY").write_text("127.0.0.1:9")
+        rec = tmp_path / "rec"
+        rec.mkdir()
+        res = areal("train", "--alloc", "fsdp:d1", SCRIPT, env={"RECORD_DIR": str(rec)},
+                    check=0, timeout=120)  # fmt: skip
+        assert "left out" in res.stderr and "not started by the job" in res.stderr
+        env = json.loads((rec / "rank-0.json").read_text())["env"]
+        assert env["AREAL_LLM_SERVER_ADDRS"] == out["servers"][0]["addr"]
+        assert env["AREAL_API_KEY"]
+    finally:
+        areal("stop", "default/trial0", check=0)
+
+
+# -- 6. two starts at once -----------------------------------------------------------------
+
+
+def test_two_starts_at_once_one_runs_the_other_is_refused_at_once(model):
+    env = {**os.environ, "FAKE_REAL_PYTHON": sys.executable, "COLUMNS": "200"}
+    argv = [AREAL, *fake_serve_args(model, "--alloc", "hf:d2", "--detach")]
+    procs_ = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True) for _ in range(2)]  # fmt: skip
+    t0 = time.monotonic()
+    try:
+        outs = [p.communicate(timeout=120) for p in procs_]
+        codes = sorted(p.returncode for p in procs_)
+        assert codes == [0, 2], outs
+        refused = next(o for p, o in zip(procs_, outs, strict=True) if p.returncode == 2)
+        assert "starting or running (pid" in refused[1] and "Traceback" not in refused[1]
+        assert time.monotonic() - t0 < 60
+        (job,) = json.loads(areal("ps", "--json", check=0).stdout)
+        assert job["state"] == "running" and all(s["healthy"] for s in job["servers"])
+    finally:
+        areal("stop", "default/trial0", check=0)
+
+
+# -- 7. a suspended supervisor -------------------------------------------------------------
+
+
+def test_a_stopped_supervisor_neither_drops_nor_freezes_its_servers(model, areal_env):
+    home, reg = areal_env
+    env = {**os.environ, "FAKE_REAL_PYTHON": sys.executable, "AREAL_REGISTRY_TTL": "2",
+           "FAKE_SERVER_CHATTY": str(4 << 20)}  # fmt: skip
+    fg = subprocess.Popen([AREAL, *fake_serve_args(model)], env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        assert _wait(lambda: len(FileRegistry(reg).list().servers) == 1, 60)
+        fg.send_signal(signal.SIGSTOP)  # what Ctrl-Z does to a foreground job
+        time.sleep(5)  # more than twice the TTL
+        (entry,) = FileRegistry(reg).list().servers
+        host, port = entry.addr.rsplit(":", 1)
+        assert _answers(int(port))
+        res = areal("train", "--alloc", "fsdp:d1", "--wait-servers", "5", "--dry-run", "--json",
+                    SCRIPT, check=0)  # fmt: skip
+        tr = json.loads(res.stdout)["processes"][0]
+        assert tr["env"]["AREAL_LLM_SERVER_ADDRS"] == entry.addr
+        log = next((home / "logs").rglob("server-0.log"))
+        assert log.stat().st_size > 4 << 20  # 4 MiB written past a suspended reader
+    finally:
+        fg.send_signal(signal.SIGCONT)
+        fg.send_signal(signal.SIGINT)
+        fg.wait(60)
+
+
+# -- 8. stop with nothing alive ------------------------------------------------------------
+
+
+def test_stop_with_nothing_alive_cleans_every_kinds_leftovers(model, areal_env, tmp_path):
+    home, reg = areal_env
+    out = json.loads(areal(*fake_serve_args(model, "--detach", "--json"), check=0).stdout)
+    server_pid = out["servers"][0]["pid"]
+    areal("train", "--alloc", "fsdp:d1", "--servers", "none", SCRIPT,
+          env={"RECORD_DIR": str(tmp_path)}, check=0, timeout=120)  # fmt: skip
+    # The serving job's supervisor and its watchdog die without a word (a kill -9 of both).
+    (rec,) = home.glob("jobs/*/default/trial0/serve.json")
+    marker = json.loads(rec.read_text())["marker"]
+    sup = psutil.Process(json.loads(rec.read_text())["supervisor_pid"])
+    watchdogs = [p for p in psutil.process_iter(["cmdline"])
+                 if p.info["cmdline"] and marker in p.info["cmdline"] and p.pid != sup.pid]  # fmt: skip
+    for p in [sup, *watchdogs]:
+        p.kill()
+    psutil.wait_procs([sup, *watchdogs], timeout=5)
+    assert psutil.pid_exists(server_pid) and FileRegistry(reg).list(include_dead=True).servers
+    res = areal("stop", "default/trial0", "--json", check=0)
+    assert {r["name"] for r in json.loads(res.stdout)} == {"default/trial0"}
+    assert _wait(lambda: not psutil.pid_exists(server_pid), 10)
+    assert FileRegistry(reg).list(include_dead=True).servers == []
+
+
+# -- 10. stopped is not success ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how, code", [("SIGTERM", 143), ("SIGINT", 130), ("areal stop", 143)])
+def test_training_stopped_from_outside_exits_non_zero_without_a_traceback(tmp_path, how, code):
+    env = {**os.environ, "RECORD_DIR": str(tmp_path), "SLEEP": "1", "COLUMNS": "200"}
+    fg = subprocess.Popen([AREAL, "train", "--alloc", "fsdp:d2", "--servers", "none", SCRIPT],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert _wait(lambda: len(list(tmp_path.glob("rank-*.json"))) == 2, 120)
+        if how == "areal stop":
+            areal("stop", "default/trial0", check=0)
+        else:
+            fg.send_signal(getattr(signal, how))
+        _, err = fg.communicate(timeout=60)
+        assert fg.returncode == code, err
+        assert "SignalException" not in err and "Traceback" not in err
+    finally:
+        if fg.poll() is None:
+            fg.kill()
+            fg.wait()
+    (job,) = json.loads(areal("ps", "--all", "--json", check=0).stdout)
+    assert job["state"] == "stopped" and job["exit_code"] == code
+
+
+# -- 12. discovery honours its deadline ----------------------------------------------------
+
+
+def test_waiting_for_servers_over_800_silent_entries_keeps_its_deadline(areal_env):
+    home, reg = areal_env
+    silent = socket.socket()
+    silent.bind(("0.0.0.0", 0))
+    silent.listen(1024)  # accepts connections, never answers a request
+    port = silent.getsockname()[1]
+    try:
+        r = FileRegistry(reg)
+        for i in range(800):
+            addr = f"127.0.{i // 250}.{i % 250 + 2}:{port}"
+            r._put(f"{ME}/default/trial0/gen_servers/s{i}", addr)
+        # Two entries of one address count once.
+        r._put(f"{ME}/default/trial0/gen_servers/dup", f"127.0.0.2:{port}")
+        t0 = time.monotonic()
+        res = areal("train", "--alloc", "fsdp:d1", "--wait-servers", "2", SCRIPT, check=3)
+        took = time.monotonic() - t0
+        assert took < 2 + 4, took
+        assert "after waiting 2s" in res.stderr
+    finally:
+        silent.close()
+
+
+# -- 9. GPUs other users hold ---------------------------------------------------------------
+
+
+def test_gpus_of_other_users_and_of_any_gpu_process_are_not_handed_out(shared_root, model):
+    fixtures = REPO / "tests" / "fixtures"
+    sleeper = as_other(sys.executable, "-c", "import time; time.sleep(120)")
+    try:
+        # Another user's live server on GPU 0, registered in their own (trusted) folder.
+        entry = ServerEntry(id="h_1", addr="127.0.0.1:1", experiment="e", trial="t",
+                            gpus=[0], host=settings.hostname(), pid=sleeper.pid)  # fmt: skip
+        write = (
+            "import json, os, sys\n"
+            "root, user, meta = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])\n"
+            "for key, value in (('gen_servers/h_1', '127.0.0.1:1'),"
+            " ('areal/servers/h_1', json.dumps(meta))):\n"
+            "    d = os.path.join(root, user, 'e', 't', key)\n"
+            "    os.makedirs(d, mode=0o755)\n"
+            "    open(os.path.join(d, 'ENTRY'), 'w').write(value)\n"
+        )
+        # A uid without a passwd entry goes by its number, as settings.user() names it.
+        as_other(sys.executable, "-c", write, str(shared_root), str(OTHER),
+                 json.dumps(entry.to_json())).wait()  # fmt: skip
+        # And nvidia-smi shows some process on GPU 2.
+        env = {
+            "PATH": f"{fixtures}:{os.environ['PATH']}",
+            "FAKE_GPU_APPS": "GPU-c7e8f9a0-1b2c-3d4e-5f6a-7b8c9d0e1f24, 777, 40960",
+        }
+        plan = json.loads(areal("serve", "--backend", "sglang", "--model", str(model),
+                                "--alloc", "sglang:d1", "--dry-run", "--json", env=env,
+                                check=0).stdout)  # fmt: skip
+        assert plan["processes"][0]["gpus"] == [1]
+        res = areal("serve", "--backend", "sglang", "--model", str(model), "--alloc",
+                    "sglang:d3", "--dry-run", env=env, check=2)  # fmt: skip
+        assert f"user {OTHER}" in res.stderr and "pid 777" in res.stderr
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+# -- 13. hostile names and values ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--experiment", "x" * 300], "characters long"),
+        (["--trial", "-rf"], "not usable"),
+        (["--trial", "../up"], "not usable"),
+        (["--health-timeout", "nan"], "not a number of seconds"),
+    ],
+)
+def test_hostile_names_and_values_exit_2(model, args, needle):
+    res = areal(*fake_serve_args(model, "--dry-run", *args), check=2)
+    assert needle in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("value", ["-5", ".nan", ".inf", "0"])
+def test_config_durations_are_checked_like_flags(model, tmp_path, value):
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(f"health_timeout: {value}\n")
+    res = areal(*fake_serve_args(model, "--config", str(cfg), "--dry-run"), check=2)
+    assert "health_timeout" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_key_of_1_hides_only_the_key(model):
+    plan = json.loads(
+        areal(*fake_serve_args(model, "--api-key", "1", "--dry-run", "--json"), check=0).stdout
+    )
+    assert plan["api_key"] == "<set>"
+    argv = plan["processes"][0]["argv"]
+    assert argv[argv.index("--seed") + 1] == "1"  # the other 1s of the plan are still there
+    assert argv.count("<api-key>") <= 1 and "1" not in [
+        v for k, v in plan["processes"][0]["env"].items() if k.endswith("API_KEY")
+    ]
