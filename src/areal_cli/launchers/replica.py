@@ -198,6 +198,8 @@ class Replica:
                 continue
             try:
                 self.registry.keepalive(self.entry)
+                if failed_renewals:
+                    self.say(f"renewal works again after {failed_renewals} failure(s)")
                 failed_renewals = 0
             except Exception as e:
                 failed_renewals += 1
