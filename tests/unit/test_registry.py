@@ -399,7 +399,12 @@ def test_group_or_world_writable_entries_are_not_trusted(tmp_path):
     listing = reg.list()
     assert listing.servers == [] and "writable by group or others" in listing.skipped[0][1]
     os.chmod(d / "ENTRY", 0o644)
-    os.chmod(d, 0o777)
-    assert reg.list().servers == []
-    os.chmod(d, 0o755)
     assert len(reg.list().servers) == 1
+    # A folder others may write to lets them add files, never make theirs pass as ours.
+    os.chmod(d, 0o777)
+    assert len(reg.list().servers) == 1
+    os.chmod(d, 0o755)
+    # The user's own folder is the gate: if others may write it, nothing in it is read.
+    os.chmod(tmp_path / USER, 0o777)
+    listing = reg.list()
+    assert listing.servers == [] and "writable by group or others" in listing.skipped[0][1]

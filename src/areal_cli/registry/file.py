@@ -12,9 +12,11 @@ ENTRY. There are no real leases here: the metadata carries a heartbeat and a TTL
 skip an entry whose heartbeat is older than its TTL or whose pid is gone on this host.
 
 The root is shared by every user of a host, like /tmp (mode 1777), so nothing in it is
-trusted by default. Each user's directory is created private to its user, and readers take
-only directories and files owned by the user they read for and writable by no one else,
-only regular files (never through a symlink, never a FIFO), and at most MAX_VALUE bytes.
+trusted by default. Each user's directory is created private to its user. Readers take a
+user's tree only when that directory is the user's own and writable by no one else, and
+from it only ENTRY files that are themselves the user's, writable by no one else, regular
+files (never through a symlink, never a FIFO) of at most MAX_VALUE bytes: whatever another
+user manages to put into a folder, a file they made is never read as ours.
 """
 
 from __future__ import annotations
@@ -143,39 +145,36 @@ class FileRegistry(Registry):
                 if why != "missing":
                     out[prefix] = Skip(why)
                 return out
-        self._walk(start, prefix, out)
+        self._walk(str(start), prefix, out)
         return out
 
-    def _walk(self, d: Path, key: str, out: dict[str, str | Skip]) -> None:
+    def _walk(self, d: str, key: str, out: dict[str, str | Skip]) -> None:
+        # Plain strings and one open per entry: this runs for every server on every listing.
+        value = self._read_value(os.path.join(d, ENTRY))
+        if value is not None:
+            out[key] = value
+            return
         try:
-            it = list(os.scandir(d))
+            with os.scandir(d) as it:
+                found = list(it)
         except OSError:
             return
-        names = {e.name for e in it}
-        if ENTRY in names:
-            out[key] = self._read_value(os.path.join(d, ENTRY))
-            return
-        subdirs = [e for e in it if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)]
-        if not subdirs and it and key.count("/") >= 4:
-            out[key] = Skip("half-written" if any(".tmp" in n for n in names) else "no ENTRY")
+        subdirs = [
+            e for e in found if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
+        ]
+        if not subdirs and found and key.count("/") >= 4:
+            tmp = any(".tmp" in e.name for e in found)
+            out[key] = Skip("half-written" if tmp else "no ENTRY")
             return
         for e in subdirs:
-            sub = f"{key}/{e.name}"
-            try:
-                st = e.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            why = self._check(st)
-            if why:
-                out[sub] = Skip(why)
-                continue
-            self._walk(Path(e.path), sub, out)
+            self._walk(e.path, f"{key}/{e.name}", out)
 
-    def _read_value(self, path: str) -> str | Skip:
+    def _read_value(self, path: str) -> str | Skip | None:
+        """The value, a Skip saying why it is not to be used, or None: no ENTRY here."""
         try:
             fd = os.open(path, _OPEN_FLAGS)
         except FileNotFoundError:
-            return Skip("no ENTRY")
+            return None
         except OSError as e:
             # ELOOP: ENTRY is a symlink (O_NOFOLLOW); ENXIO: a FIFO with no writer.
             return Skip(f"unreadable ENTRY ({e.strerror or e})")
