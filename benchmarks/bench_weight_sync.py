@@ -1,7 +1,7 @@
 """Weight sync to inference servers: a broadcast over a process group against a checkpoint on
 disk, in one run.
 
-    python benchmarks/bench_weight_sync.py [--hidden 768 --layers 16] [--rounds 3] [--grpo-steps 8]
+    python benchmarks/bench_weight_sync.py [--hidden 768 --layers 16] [--rounds 5] [--grpo-steps 10]
 
 1. A ~100M-parameter Qwen2-style model is written locally (areal's modelgen, the model
    `areal init-model` writes, scaled up) and served by two hf replicas. One trainer process
@@ -10,7 +10,7 @@ disk, in one run.
    distributed sync, which builds the group, is a warm-up. Prints the median seconds and
    MB/s of each, and `weight_sync_distributed_over_disk` (target <= 0.5).
 2. The GRPO example (tiny model, two FSDP ranks, one hf server) runs a few steps with each
-   method; prints the share of the step time spent syncing weights.
+   method; prints the share of the step time spent syncing weights (medians over steps).
 """
 
 from __future__ import annotations
@@ -158,8 +158,8 @@ def grpo_benchmark(root: Path, steps: int) -> None:
                 raise SystemExit(f"GRPO ({method}) failed:\n{res.stderr[-3000:]}")
             rows = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
             rows = rows[1:]  # the first step pays for the group's rendezvous / first write
-            sync = statistics.mean(r["sync_s"] for r in rows)
-            step = statistics.mean(r["step_time_s"] for r in rows)
+            sync = statistics.median(r["sync_s"] for r in rows)
+            step = statistics.median(r["step_time_s"] for r in rows)
             print(f"grpo_sync_share_{method}: {sync / step:.3f}   (sync {sync * 1000:.0f} ms "
                   f"of a {step * 1000:.0f} ms step, tiny model, 2 FSDP ranks)", flush=True)  # fmt: skip
     finally:
@@ -170,8 +170,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--grpo-steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--grpo-steps", type=int, default=10)
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
     try:

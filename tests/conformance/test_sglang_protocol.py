@@ -399,3 +399,19 @@ def test_api_key_spares_only_probes(models, tmp_path):
         assert srv.post("/pause_generation", {}) == (401, {"error": "Unauthorized"})
         ok = srv.get("/model_info", headers={"Authorization": "Bearer k"})
         assert ok[0] == 200
+
+
+def test_health_generates_so_a_paused_idle_server_is_unhealthy(models, tmp_path, monkeypatch):
+    # srt/entrypoints/http_server.py:721-800 with SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION
+    # true by default (srt/environ.py:344): /health waits for one generated token, at most
+    # SGLANG_HEALTH_CHECK_TIMEOUT seconds (http_server.py:218), then answers an empty 503.
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "1")
+    with HfServer(models["base"], tmp_path) as srv:
+        srv.wait_healthy()
+        assert srv.post("/pause_generation", {"mode": "retract"})[0] == 200
+        started = time.monotonic()
+        assert srv.get("/health") == (503, "")
+        assert 0.9 < time.monotonic() - started < 5
+        assert srv.get("/ready") == (200, "")  # readiness is not liveness
+        srv.post("/continue_generation", {})
+        assert srv.get("/health") == (200, "")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -74,7 +75,7 @@ def build_app(state: ServerState) -> web.Application:
     app[STATE] = state
     r = app.router
     r.add_get("/health", health)
-    r.add_get("/health_generate", health_generate)
+    r.add_get("/health_generate", health)
     r.add_get("/ready", ready)
     r.add_get("/model_info", model_info)
     r.add_get("/get_model_info", model_info)
@@ -168,24 +169,33 @@ def _result(ok: bool, message: str, **extra: Any) -> web.Response:
 # -- probes and info -------------------------------------------------------------------------
 
 
-async def health(request: web.Request) -> web.Response:
-    # The readiness middleware already answered 503 while loading.
-    return web.Response(status=200)
-
-
 async def ready(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
-async def health_generate(request: web.Request) -> web.Response:
+async def health(request: web.Request) -> web.Response:
+    """/health and /health_generate (http_server.py:721-800; /health generates too, as
+    SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION defaults to true, srt/environ.py:344): a
+    batch in progress proves the model alive; otherwise one greedy token of input_ids [0]
+    must come back within SGLANG_HEALTH_CHECK_TIMEOUT seconds (default 20,
+    http_server.py:218), else 503. So a server paused with nothing running answers 503
+    once that time has passed, as SGLang does."""
     st = request.app[STATE]
-    # http_server.py:766-775: one greedy token of input_ids [0].
+    if st.batcher.busy:
+        return web.Response(status=200)
     params = protocol.sampling_from({"max_new_tokens": 1, "temperature": 0.0}, 1)
-    prompt = [0]
-    # A probe must not shift the seeds of real requests.
-    await st.batcher.submit([GenRequest(prompt, params, rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")],
-                            seeded=False)  # fmt: skip
+    probe = GenRequest([0], params, rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
+    try:
+        # A probe must not shift the seeds of real requests.
+        await asyncio.wait_for(st.batcher.submit([probe], seeded=False), health_timeout())
+    except asyncio.TimeoutError:
+        log.error("health check failed: no token within %ss", health_timeout())
+        return web.Response(status=503)
     return web.Response(status=200)
+
+
+def health_timeout() -> float:
+    return float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
 
 
 async def model_info(request: web.Request) -> web.Response:

@@ -250,6 +250,11 @@ class Batcher:
         self._resumed.set()
 
     @property
+    def busy(self) -> bool:
+        """A batch is being decoded right now."""
+        return bool(self._running)
+
+    @property
     def holds_cache(self) -> bool:
         """A batch paused in place keeps a cache built with the weights it started with."""
         return self._suspended is not None
