@@ -53,6 +53,24 @@ class TrainerRole:
 
 
 @dataclass(frozen=True)
+class SchedulerOpts:
+    """Where a cluster scheduler puts the job (Slurm's --partition, --account, --time), how many
+    GPUs a node offers, and arguments passed to it as they are."""
+
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None
+    gpus_per_node: int | None = None
+    extra_args: tuple[str, ...] = ()
+
+    def given(self) -> list[str]:
+        """The options set, as flags (for a message naming them)."""
+        names = ("partition", "account", "time", "gpus_per_node", "extra_args")
+        flags = {"gpus_per_node": "--gpus-per-node", "extra_args": "--slurm-arg"}
+        return [flags.get(n, f"--{n}") for n in names if getattr(self, n)]
+
+
+@dataclass(frozen=True)
 class JobSpec:
     experiment: str
     trial: str
@@ -66,6 +84,7 @@ class JobSpec:
     external_servers: tuple[str, ...] = ()
     external_backend: str | None = None
     external_api_key: str | None = None
+    scheduler_opts: SchedulerOpts = SchedulerOpts()
 
     @property
     def kind(self) -> str:

@@ -7,43 +7,19 @@ so `--dry-run` shows exactly what would run.
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import secrets
 import sys
-import uuid
 from pathlib import Path
 
 from areal_cli import apikeys, backends, gpus, procs, settings
 from areal_cli.errors import UsageError
 from areal_cli.launchers import torchrun
-from areal_cli.parallel import MESH_ENV, ParallelDims
 from areal_cli.registry import Registry, open_registry
+from areal_cli.schedulers.common import areal_overrides, new_marker, resolve_api_key, worker_env
 from areal_cli.schedulers.local import records
 from areal_cli.spec import JobSpec, Plan, ProcessPlan, ServerRole, TrainerRole
 
 DEFAULT_PORT_BASE = 30000
-MARKER_PREFIX = "areal"
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def resolve_api_key(flag: str, host: str) -> str | None:
-    """`auto`: a generated key when bound beyond loopback; `none`: no key; else the key."""
-    if flag == "none":
-        return None
-    if flag == "auto":
-        if is_loopback(host):
-            return None
-        return secrets.token_urlsafe(24)
-    return flag
 
 
 def held_by_others(
@@ -86,7 +62,7 @@ def held_by_others(
 def plan(spec: JobSpec, home: Path, registry_url: str, check_packages: bool = True) -> Plan:
     log_dir = settings.log_dir(home, spec.experiment, spec.trial)
     registry = open_registry(registry_url)
-    marker = f"{MARKER_PREFIX}-{spec.experiment}-{spec.trial}-{uuid.uuid4().hex[:8]}"
+    marker = new_marker(spec.experiment, spec.trial)
     p = Plan(
         experiment=spec.experiment,
         trial=spec.trial,
@@ -214,60 +190,6 @@ def _plan_trainer(p, spec: JobSpec, t: TrainerRole, inventory, free, held, log_d
             log_path=str(log_dir / "torchrun.log"),
         )
     )
-
-
-def worker_env(spec, t: TrainerRole, p: Plan, addrs, backend, key, visible: str) -> dict[str, str]:
-    """What each training worker finds in its environment (and what AReaL's launcher sets)."""
-    env = {
-        "AREAL_LLM_SERVER_ADDRS": ",".join(addrs),
-        "AREAL_SERVER_BACKEND": backend or "",
-        "AREAL_REGISTRY": p.registry,
-        "AREAL_EXPERIMENT": spec.experiment,
-        "AREAL_TRIAL": spec.trial,
-        "AREAL_ALLOC": t.alloc,
-        MESH_ENV: ParallelDims.from_alloc(t.alloc).to_env(),
-        "AREAL_LOG_DIR": p.log_dir,
-        # Where the workers find the servers' API key when they discover servers themselves.
-        "AREAL_HOME": p.home,
-        "CUDA_VISIBLE_DEVICES": visible,
-        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "OMP_NUM_THREADS": os.environ.get(
-            "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, t.nproc)))
-        ),
-        "PYTHONUNBUFFERED": "1",
-        # Global ranks in torchrun's line prefix, so per-rank logs are right on every node.
-        **torchrun.LINE_PREFIX_ENV,
-    }
-    if backend == "sglang":
-        # NCCL's cuMem allocator and NVLink SHARP clash with SGLang's in the same job.
-        env["NCCL_CUMEM_ENABLE"] = "0"
-        env["NCCL_NVLS_ENABLE"] = "0"
-    if key:
-        env["AREAL_API_KEY"] = key
-    env.update(dict(t.env))
-    return env
-
-
-def areal_overrides(spec: JobSpec, backend: str, n_servers: int, registry: Registry) -> list[str]:
-    """`key=value` overrides for an AReaL entry point (its --config + overrides CLI).
-
-    AReaL picks its rollout engine from the generation part of `allocation_mode`; a
-    training-only mode ("fsdp:d2") fails with "Invalid backend: None". We give it the
-    backend of the servers we found, and point its name_resolve at our registry, where
-    it finds them under the same experiment/trial.
-    """
-    train = spec.trainer.alloc if spec.trainer else ""
-    train_part = train.split("+")[-1]
-    gen = f"{backend}:d{max(1, n_servers)}"
-    return [
-        f"allocation_mode={gen}+{train_part}",
-        f"experiment_name={spec.experiment}",
-        f"trial_name={spec.trial}",
-        f"rollout.experiment_name={spec.experiment}",
-        f"rollout.trial_name={spec.trial}",
-        *registry.areal_name_resolve(),
-    ]
 
 
 def _ports(role: ServerRole, n: int, busy: set[int]) -> list[int]:

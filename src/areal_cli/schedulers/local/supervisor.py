@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -44,11 +43,11 @@ from areal_cli.errors import (
 )
 from areal_cli.launchers import torchrun
 from areal_cli.registry import open_registry
+from areal_cli.schedulers.common import TAIL_LINES, describe_exit, root_cause, tail_text
 from areal_cli.schedulers.local import records
 from areal_cli.spec import Plan, ProcessPlan
 
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: stopped by SIGTERM (areal stop, timeout)
-TAIL_LINES = 20
 
 EventFn = Callable[[str, dict], None]
 LineFn = Callable[[str, str], None]
@@ -75,17 +74,6 @@ class _Proc:
 
     def exit_code(self) -> int | None:
         return self.popen.poll()
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        code = 128 - code
-    if code > 128:
-        try:
-            return f"killed by {signal.Signals(code - 128).name}"
-        except ValueError:
-            pass
-    return f"exit code {code}"
 
 
 class Supervisor:
@@ -421,7 +409,7 @@ class Supervisor:
         label, log = proc.label, proc.plan.log_path
         tail = self._tail_text(log)
         if proc.plan.role == "trainer":
-            rank, rank_code = _root_cause(Path(self.plan.log_dir), log)
+            rank, rank_code = root_cause(Path(self.plan.log_dir), [log])
             if rank is not None:
                 label = f"rank-{rank}"
                 if rank_code is not None and rank_code != code:
@@ -434,8 +422,7 @@ class Supervisor:
 
     @staticmethod
     def _tail_text(path: str) -> str:
-        lines = [x for x in logfiles.tail(path, TAIL_LINES + 10) if not x.startswith("[replica]")]
-        return "\n".join(lines[-TAIL_LINES:]) or "(no output)"
+        return tail_text(path)
 
 
 def _local_addr(addr: str, plan: Plan) -> str:
@@ -445,22 +432,6 @@ def _local_addr(addr: str, plan: Plan) -> str:
         if str(p.port) == port:
             return p.addr
     return addr
-
-
-def _root_cause(log_dir: Path, torchrun_log: str) -> tuple[int | None, int | None]:
-    """torchrun's failure report names the first failing rank and its exit code:
-    "rank : 1 (local_rank: 1)" then "exitcode : 5 (pid: 123)"."""
-    text = "\n".join(logfiles.tail(torchrun_log, 60))
-    head = max(text.rfind("Root Cause"), 0)
-    m = re.search(r"\brank\s*:\s*(\d+)", text[head:])
-    if m:
-        code = re.search(r"exitcode\s*:\s*(-?\d+)", text[head + m.end() :])
-        return int(m.group(1)), (int(code.group(1)) if code else None)
-    failing = []
-    for label, path in logfiles.select_logs(log_dir, "rank").items():
-        if any("Error" in x or "Traceback" in x for x in logfiles.tail(path, TAIL_LINES)):
-            failing.append(int(label.split("-")[1]))
-    return (min(failing) if failing else None), None
 
 
 def run_daemon(plan_path: str, home: str, slot_fds: list[int]) -> int:

@@ -1,0 +1,146 @@
+"""What every scheduler needs the same way: job markers, API keys, what training workers find in
+their environment, AReaL's overrides, and reading a failure out of the logs (root cause first).
+
+Schedulers differ in where processes run (this host, Slurm job steps), not in what a worker
+sees or how a failure is told, so those live here once.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import secrets
+import signal
+import uuid
+from pathlib import Path
+
+from areal_cli import logfiles
+from areal_cli.launchers import torchrun
+from areal_cli.parallel import MESH_ENV, ParallelDims
+from areal_cli.spec import JobSpec, Plan, TrainerRole
+
+MARKER_PREFIX = "areal"
+TAIL_LINES = 20
+
+
+def new_marker(experiment: str, trial: str) -> str:
+    """What every process of one job carries in AREAL_JOB_MARKER (and its registry entries)."""
+    return f"{MARKER_PREFIX}-{experiment}-{trial}-{uuid.uuid4().hex[:8]}"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve_api_key(flag: str, host: str | None) -> str | None:
+    """`auto`: a generated key when bound beyond loopback (a host of None: not known before the
+    job runs, so beyond loopback); `none`: no key; else the key."""
+    if flag == "none":
+        return None
+    if flag == "auto":
+        if host is not None and is_loopback(host):
+            return None
+        return secrets.token_urlsafe(24)
+    return flag
+
+
+def worker_env(
+    spec: JobSpec, t: TrainerRole, p: Plan, addrs, backend, key, visible: str | None
+) -> dict[str, str]:
+    """What each training worker finds in its environment (and what AReaL's launcher sets).
+    `visible`: CUDA_VISIBLE_DEVICES, or None where the scheduler binds GPUs itself (Slurm)."""
+    env = {
+        "AREAL_LLM_SERVER_ADDRS": ",".join(addrs),
+        "AREAL_SERVER_BACKEND": backend or "",
+        "AREAL_REGISTRY": p.registry,
+        "AREAL_EXPERIMENT": spec.experiment,
+        "AREAL_TRIAL": spec.trial,
+        "AREAL_ALLOC": t.alloc,
+        MESH_ENV: ParallelDims.from_alloc(t.alloc).to_env(),
+        "AREAL_LOG_DIR": p.log_dir,
+        # Where the workers find the servers' API key when they discover servers themselves.
+        "AREAL_HOME": p.home,
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        # Global ranks in torchrun's line prefix, so per-rank logs are right on every node.
+        **torchrun.LINE_PREFIX_ENV,
+    }
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+        env["OMP_NUM_THREADS"] = os.environ.get(
+            "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, t.nproc)))
+        )
+    if backend == "sglang":
+        # NCCL's cuMem allocator and NVLink SHARP clash with SGLang's in the same job.
+        env["NCCL_CUMEM_ENABLE"] = "0"
+        env["NCCL_NVLS_ENABLE"] = "0"
+    if key:
+        env["AREAL_API_KEY"] = key
+    env.update(dict(t.env))
+    return env
+
+
+def areal_overrides(spec: JobSpec, backend: str, n_servers: int, registry) -> list[str]:
+    """`key=value` overrides for an AReaL entry point (its --config + overrides CLI).
+
+    AReaL picks its rollout engine from the generation part of `allocation_mode`; a
+    training-only mode ("fsdp:d2") fails with "Invalid backend: None". We give it the
+    backend of the servers we found, and point its name_resolve at our registry, where
+    it finds them under the same experiment/trial.
+    """
+    train = spec.trainer.alloc if spec.trainer else ""
+    train_part = train.split("+")[-1]
+    gen = f"{backend}:d{max(1, n_servers)}"
+    return [
+        f"allocation_mode={gen}+{train_part}",
+        f"experiment_name={spec.experiment}",
+        f"trial_name={spec.trial}",
+        f"rollout.experiment_name={spec.experiment}",
+        f"rollout.trial_name={spec.trial}",
+        *registry.areal_name_resolve(),
+    ]
+
+
+# -- failures, root cause first ------------------------------------------------------------
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        code = 128 - code
+    if code > 128:
+        try:
+            return f"killed by {signal.Signals(code - 128).name}"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+def tail_text(path: str | Path) -> str:
+    """The last lines of a process's log, without the replica runner's own lines."""
+    lines = [x for x in logfiles.tail(path, TAIL_LINES + 10) if not x.startswith("[replica]")]
+    return "\n".join(lines[-TAIL_LINES:]) or "(no output)"
+
+
+def root_cause(log_dir: Path, torchrun_logs: list[str | Path]) -> tuple[int | None, int | None]:
+    """(first failing rank, its exit code) from torchrun's failure report: "rank : 1
+    (local_rank: 1)" then "exitcode : 5 (pid: 123)". Several nodes: the first report that names
+    a rank. Without one, the lowest rank whose log shows an error."""
+    for log in torchrun_logs:
+        text = "\n".join(logfiles.tail(log, 60))
+        head = max(text.rfind("Root Cause"), 0)
+        m = re.search(r"\brank\s*:\s*(\d+)", text[head:])
+        if m:
+            code = re.search(r"exitcode\s*:\s*(-?\d+)", text[head + m.end() :])
+            return int(m.group(1)), (int(code.group(1)) if code else None)
+    failing = []
+    for label, path in logfiles.select_logs(Path(log_dir), "rank").items():
+        if any("Error" in x or "Traceback" in x for x in logfiles.tail(path, TAIL_LINES)):
+            failing.append(int(label.split("-")[1]))
+    return (min(failing) if failing else None), None
