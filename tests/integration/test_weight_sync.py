@@ -266,3 +266,15 @@ def test_our_group_meets_sglangs_own_group_helper(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_session_left_open_by_a_dead_trainer_does_not_block_the_next(models, tmp_path):
+    (srv,) = start(models["tiny"], tmp_path, 1)
+    try:
+        # What a trainer killed between /begin_weight_update and /end_weight_update leaves.
+        assert srv.post("/begin_weight_update", {})[0] == 200
+        (line,) = run_trainer(trainer(models["tiny"], [srv]))
+        assert line["ok"], line
+        assert version(srv) == "1" and greedy(srv) == line["expected"]
+    finally:
+        srv.stop()
