@@ -87,6 +87,30 @@ def start_job(n: int, workdir: Path, marker: str) -> subprocess.Popen:
 ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
 
 
+def settle(torchrun: int, quiet: float = 0.3, limit: float = 60.0) -> None:
+    """Wait until the ranks have settled into the hang (less than `quiet` of a core between
+    them; gloo's own threads keep a little): right after start-up they still connect."""
+    ranks = psutil.Process(torchrun).children()
+
+    def cpu() -> float:
+        total = 0.0
+        for r in ranks:
+            try:
+                total += sum(r.cpu_times()[:2])
+            except psutil.Error:
+                pass
+        return total
+
+    deadline = time.monotonic() + limit
+    before = cpu()
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = cpu()
+        if now - before < quiet:
+            return
+        before = now
+
+
 def timed(argv: list[str]) -> tuple[float, str]:
     start = time.perf_counter()
     res = subprocess.run(argv, capture_output=True, text=True, env=ENV)
@@ -133,6 +157,7 @@ def measure(n: int, pyspy: str) -> float | None:
         proc = None
         try:
             proc = start_job(n, Path(tmp), marker)
+            settle(proc.pid)
             pids = [c.pid for c in psutil.Process(proc.pid).children() if "RANK" in c.environ()]
             doctor = [AREAL, "doctor", "hang", "--pid", str(proc.pid), "--json"]
             loop = (
@@ -161,7 +186,7 @@ def measure(n: int, pyspy: str) -> float | None:
 
 def main() -> int:
     pyspy = stacks.require_pyspy()
-    print(f"  py-spy workers: {stacks.default_workers()} (CPUs usable)", file=sys.stderr)
+    print(f"  py-spy workers: {stacks.default_workers()} (CPUs usable, and one)", file=sys.stderr)
     sizes = [int(a) for a in sys.argv[1:]] or list(TARGETS)  # e.g. `bench_doctor_hang.py 16`
     for n in sizes:
         target = TARGETS.get(n, 1.0)

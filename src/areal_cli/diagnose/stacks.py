@@ -226,10 +226,11 @@ def dump_many(
     workers: int | None = None,
     on_done: Callable[[Dump], None] | None = None,
 ) -> dict[int, Dump]:
-    """Dump every pid, `workers` py-spy processes at a time (default: one per usable CPU).
+    """Dump every pid, `workers` py-spy processes at a time (default: one per usable CPU, and
+    one more).
 
-    py-spy is CPU-bound (it parses the interpreter's symbols and reads the target's memory):
-    more py-spy processes than CPUs only queue up and thrash. With `previous` (the last
+    py-spy is mostly CPU-bound (it parses the interpreter's symbols and reads the target's
+    memory): many more py-spy processes than CPUs only queue up and thrash. With `previous` (the last
     sample), a process none of whose Python threads ran since is not dumped again.
     """
     pids = list(dict.fromkeys(pids))
@@ -299,7 +300,9 @@ def _sample(
 
 
 def default_workers() -> int:
-    """CPUs this process may use: its affinity mask, capped by a cgroup CPU quota."""
+    """One more than the CPUs this process may use (its affinity mask, capped by a cgroup CPU
+    quota): part of each dump is spent waiting for the target's threads to be scheduled
+    and stop, time in which another py-spy can use the CPU."""
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -310,7 +313,7 @@ def default_workers() -> int:
             n = min(n, max(1, -(-int(quota) // int(period))))
     except (OSError, ValueError):
         pass
-    return max(1, n)
+    return max(1, n) + 1
 
 
 # --------------------------------------------------------------------------- scheduler counters
