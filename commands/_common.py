@@ -32,6 +32,20 @@ JsonOpt = typer.Option(False, "--json", help="Machine-readable output on stdout.
 SchedulerOpt = typer.Option(
     None, "--scheduler", help="local | slurm (env AREAL_SCHEDULER; default local)."
 )
+# Where Slurm puts the job (--scheduler slurm only).
+PartitionOpt = typer.Option(None, "--partition", help="Slurm partition (default: the cluster's).")
+AccountOpt = typer.Option(None, "--account", help="Slurm account to charge.")
+TimeOpt = typer.Option(None, "--time", help="Slurm time limit, e.g. 4:00:00.")
+GpusPerNodeOpt = typer.Option(
+    None, "--gpus-per-node", min=1, help="GPUs used per node (default: the partition's)."
+)
+SlurmArgOpt = typer.Option(
+    None, "--slurm-arg", help="Passed to sbatch as is, e.g. --slurm-arg=--mem=64G. Repeatable."
+)
+SLURM_KEYS = {
+    "partition": "str", "account": "str", "time": "str", "gpus_per_node": "posint",
+    "slurm_arg": "list",
+}  # fmt: skip
 
 COLORS = [
     "cyan",
@@ -199,11 +213,13 @@ def show_plan(request, json_out: bool) -> None:
         f"  logs      {plan.log_dir}\n  registry  {plan.registry}\n"
         f"  api key   {'set (not shown)' if plan.api_key else 'none'}"
     )
-    for p in plan.to_json()["processes"]:
+    data = plan.to_json()
+    for p in data["processes"]:
         addr = f"  http://{p['host']}:{p['port']}" if p.get("port") else ""
         gpus_ = ",".join(map(str, p["gpus"])) or "cpu"
         label = "torchrun" if p["role"] == "trainer" else f"{p['role']}-{p['index']}"
-        console.print(f"[bold cyan]{label}[/]{addr}  GPUs {gpus_}")
+        where = data.get("placement", {}).get(label)  # where a cluster scheduler puts it
+        console.print(f"[bold cyan]{label}[/]{addr}  " + (where or f"GPUs {gpus_}"))
         console.print(f"  argv  {escape(shlex.join(p['argv']))}")
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(p["env"].items()))
         console.print(f"  env   {escape(env)}")
@@ -212,6 +228,29 @@ def show_plan(request, json_out: bool) -> None:
     if script:
         console.print(f"[bold cyan]{request.scheduler} batch script[/]")
         console.print(escape(script), highlight=False)
+
+
+def scheduler_opts(
+    name: str | None, config: dict, partition, account, time, gpus_per_node, slurm_arg
+):
+    """The Slurm options (flag > job YAML); given to another scheduler they are a usage error."""
+    from areal_cli import schedulers
+    from areal_cli.spec import SchedulerOpts
+
+    opts = SchedulerOpts(
+        partition=pick(partition, config, "partition", None),
+        account=pick(account, config, "account", None),
+        time=pick(time, config, "time", None),
+        gpus_per_node=pick(gpus_per_node, config, "gpus_per_node", None),
+        extra_args=tuple(slurm_arg or config.get("slurm_arg") or ()),
+    )
+    chosen = schedulers.pick(name, config)
+    if opts.given() and chosen != "slurm":
+        raise UsageError(
+            f"{', '.join(opts.given())}: Slurm options, but the scheduler is {chosen}",
+            hint="add --scheduler slurm (or scheduler: slurm in the job YAML)",
+        )
+    return opts
 
 
 def scheduler_for(name: str | None, config: dict, home, registry):
@@ -235,7 +274,11 @@ def run_foreground(sched, request, json_out: bool = False) -> None:
 
     def on_event(kind: str, info: dict) -> None:
         if kind == "healthy":
-            err.print(f"[green]healthy[/] {info['label']} at http://{info['addr']}")
+            node = f" (node {info['node']})" if info.get("node") else ""
+            err.print(f"[green]healthy[/] {info['label']} at http://{info['addr']}{node}")
+        elif kind == "running":
+            nodes = ",".join(info["nodes"])
+            err.print(f"[green]running[/] Slurm job {info['job_id']} on {nodes}")
         elif kind == "ready" and not plan.trainers:
             n = len(info["servers"])
             err.print(f"[bold green]ready[/] {name}: {n} server(s) registered; Ctrl-C stops them")

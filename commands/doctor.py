@@ -138,7 +138,12 @@ def hang_cmd(
     if any(rep.failed for rep in reports):
         for rep in reports:
             for e in rep.errors:
-                console.err.print(f"[red]rank {e['rank']} (pid {e['pid']}): {e['error']}[/]")
+                who = (
+                    f"node {e['node']}"
+                    if e.get("rank") is None and e.get("node")
+                    else (f"rank {e['rank']} (pid {e['pid']})")
+                )
+                console.err.print(f"[red]{who}: {e['error']}[/]")
                 if e.get("fix"):
                     console.err.print(f"[yellow]fix:[/] {e['fix']}")
         raise typer.Exit(1)
@@ -157,6 +162,12 @@ def render_hang(rep, show_locals: bool = False) -> None:
     head += f" · {rep.samples} sample{'s' if rep.samples > 1 else ''}"
     console.out.print(head)
     odd = set(v.odd_ranks) if v else set()
+    # A cluster job's ranks run on several nodes: say which.
+    node_of = {r.rank: r.node for r in job.ranks if r.node}
+
+    def pid_text(rank: int, pid) -> str:
+        return f"{pid} on {node_of[rank]}" if rank in node_of else str(pid)
+
     if v is not None:
         color = "bold red" if v.is_hang else "green"
         console.out.print(f"verdict: [{color}]{v.kind}[/]")
@@ -164,7 +175,9 @@ def render_hang(rep, show_locals: bool = False) -> None:
         if v.certainty:
             console.out.print(f"  [dim]how sure ({v.confidence}): {escape(v.certainty)}[/]")
         if v.odd_ranks:
-            console.out.print(f"  odd ranks: [bold red]{_ranks_text(v.odd_ranks)}[/]")
+            where = sorted({node_of[r] for r in v.odd_ranks if r in node_of})
+            on = f" (node {', '.join(where)})" if where else ""
+            console.out.print(f"  odd ranks: [bold red]{_ranks_text(v.odd_ranks)}[/]{on}")
         if v.hint:
             console.out.print(f"  [yellow]hint:[/] {escape(v.hint)}")
     tree = Tree(f"[bold]{escape(job.label)}[/]", guide_style="dim")
@@ -176,7 +189,7 @@ def render_hang(rep, show_locals: bool = False) -> None:
         what = {"collective": f"waits in {g.collective}", "busy": "computing", "idle": "idle"}.get(
             g.state, g.state
         )
-        pids = ", ".join(str(m.pid) for m in members)
+        pids = ", ".join(pid_text(m.rank, m.pid) for m in members)
         where = f" at {escape(g.frame.where())} in {escape(g.frame.function)}" if g.frame else ""
         label = (
             f"{'[bold red]✗[/] ' if is_odd else '● '}[bold]{_rank_word(g.ranks)}[/] "
@@ -207,7 +220,7 @@ def render_hang(rep, show_locals: bool = False) -> None:
     for r in a.ranks:
         if r.state in ("missing", "error"):
             reason = escape(r.error or r.state)
-            pid = f" [dim](pid {r.pid})[/]" if r.pid else ""
+            pid = f" [dim](pid {pid_text(r.rank, r.pid)})[/]" if r.pid else ""
             tree.add(f"[bold red]✗ rank {r.rank}[/]{pid} — [red]{r.state}[/]: {reason}")
     # Wrap long frames instead of cutting them: the file:line at the end is the point.
     console.out.print(tree, soft_wrap=False)
@@ -504,24 +517,32 @@ def check_cmd(
     registry: str = typer.Option(
         None, "--registry", help="Registry root (default AREAL_REGISTRY)."
     ),
+    scheduler: str = typer.Option(
+        None, "--scheduler", help="slurm: also the cluster (version, partitions, shared files)."
+    ),
 ) -> None:
     """Is this host ready to run and debug jobs? One row per fact, with the fix.
 
     Python, torch, CUDA, NCCL, GPUs, sglang/vllm/transformers, py-spy attach, /dev/shm, open
     files, the registry, registered servers, processes left from earlier jobs. Each row passes, warns or fails with the fix to apply; exit code 1 when any row fails.
+    With --scheduler slurm: Slurm's version, each partition's GPUs per node, and whether the
+    nodes see the registry and log folders.
 
     \b
     Examples:
       areal doctor check
+      areal doctor check --scheduler slurm
       areal doctor check --json | jq '.rows[] | select(.status != "pass")'
     """
+    from areal_cli import schedulers
     from areal_cli.diagnose import check
 
+    scheduler = schedulers.pick(scheduler) if scheduler else None
     if not json_out and console.err.is_terminal:
         with console.err.status("checking this host..."):
-            rows = check.run_checks(home=home, registry=registry)
+            rows = check.run_checks(home=home, registry=registry, scheduler=scheduler)
     else:
-        rows = check.run_checks(home=home, registry=registry)
+        rows = check.run_checks(home=home, registry=registry, scheduler=scheduler)
     failed = [r for r in rows if r.status == check.FAIL]
     if json_out:
         console.print_json(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -9,11 +10,17 @@ import typer
 from areal_cli.errors import UsageError
 
 from ._common import (
+    SLURM_KEYS,
+    AccountOpt,
     ExperimentOpt,
+    GpusPerNodeOpt,
     HomeOpt,
     JsonOpt,
+    PartitionOpt,
     RegistryOpt,
     SchedulerOpt,
+    SlurmArgOpt,
+    TimeOpt,
     TrialOpt,
     job_names,
     load_config,
@@ -22,6 +29,7 @@ from ._common import (
     run_detached,
     run_foreground,
     scheduler_for,
+    scheduler_opts,
     seconds,
     show_plan,
 )
@@ -32,6 +40,7 @@ CONFIG_KEYS = {
     "health_timeout": "posfloat", "python": "str", "api_key": "str", "seed": "int",
     "extra_args": "list", "scheduler": "str", "allow_unauthenticated_control": "bool",
 }  # fmt: skip
+CONFIG_KEYS.update(SLURM_KEYS)
 
 HELP = """Start SGLang, vLLM or hf inference servers, wait until healthy, register them.
 
@@ -114,6 +123,11 @@ def register(app: typer.Typer) -> None:
             show_default=False,
         ),
         scheduler: str = SchedulerOpt,
+        partition: str = PartitionOpt,
+        account: str = AccountOpt,
+        time: str = TimeOpt,
+        gpus_per_node: int = GpusPerNodeOpt,
+        slurm_arg: list[str] = SlurmArgOpt,
         json_out: bool = JsonOpt,
     ) -> None:
         from areal_cli import models
@@ -121,6 +135,7 @@ def register(app: typer.Typer) -> None:
         from areal_cli.spec import JobSpec, ServerRole
 
         cfg = load_config(config, CONFIG_KEYS)
+        where = scheduler_opts(scheduler, cfg, partition, account, time, gpus_per_node, slurm_arg)
         model = pick(model, cfg, "model", None)
         if not model:
             raise UsageError("--model is required", hint="areal serve --model /path/to/model")
@@ -178,6 +193,7 @@ def register(app: typer.Typer) -> None:
                 "--health-timeout", pick(health_timeout, cfg, "health_timeout", 600.0)
             ),
         )
+        spec = replace(spec, scheduler_opts=where)
         sched = scheduler_for(scheduler, cfg, home, registry)
         request = sched.dryrun(spec, check_packages=not dry_run)
         if dry_run:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -11,11 +12,17 @@ from areal_cli import console, settings
 from areal_cli.errors import UsageError
 
 from ._common import (
+    SLURM_KEYS,
+    AccountOpt,
     ExperimentOpt,
+    GpusPerNodeOpt,
     HomeOpt,
     JsonOpt,
+    PartitionOpt,
     RegistryOpt,
     SchedulerOpt,
+    SlurmArgOpt,
+    TimeOpt,
     TrialOpt,
     job_names,
     load_config,
@@ -23,6 +30,7 @@ from ._common import (
     python_default,
     run_foreground,
     scheduler_for,
+    scheduler_opts,
     seconds,
     show_plan,
 )
@@ -34,6 +42,7 @@ CONFIG_KEYS = {
     "model": "str", "python": "str", "health_timeout": "posfloat", "api_key": "str",
     "areal_overrides": "bool", "scheduler": "str",
 }  # fmt: skip
+CONFIG_KEYS.update(SLURM_KEYS)
 
 HELP = """Run training workers with torchrun against inference servers.
 
@@ -126,6 +135,11 @@ def register(app: typer.Typer) -> None:
             False, "--dry-run", help="Print the torchrun command, env and GPUs; start nothing."
         ),
         scheduler: str = SchedulerOpt,
+        partition: str = PartitionOpt,
+        account: str = AccountOpt,
+        time: str = TimeOpt,
+        gpus_per_node: int = GpusPerNodeOpt,
+        slurm_arg: list[str] = SlurmArgOpt,
         json_out: bool = JsonOpt,
     ) -> None:
         from areal_cli import discovery, models
@@ -134,6 +148,7 @@ def register(app: typer.Typer) -> None:
         from areal_cli.spec import JobSpec, ServerRole, TrainerRole
 
         cfg = load_config(config, CONFIG_KEYS)
+        where = scheduler_opts(scheduler, cfg, partition, account, time, gpus_per_node, slurm_arg)
         alloc = pick(alloc, cfg, "alloc", None)
         if not alloc:
             raise UsageError(
@@ -259,6 +274,7 @@ def register(app: typer.Typer) -> None:
             external_backend=found.backend if found else None,
             external_api_key=found.api_key if found else None,
         )
+        spec = replace(spec, scheduler_opts=where)
         sched = scheduler_for(scheduler, cfg, home, registry)
         request = sched.dryrun(spec, check_packages=not dry_run)
         if dry_run:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from areal_cli.diagnose import permissions, stacks
-from areal_cli.diagnose.targets import Job
+from areal_cli.diagnose.targets import Job, RankProc
 from areal_cli.diagnose.verdict import Analysis, RankSamples, analyze
 from areal_cli.errors import EXIT_FAILED, ArealError, UsageError
 
@@ -52,9 +52,14 @@ class HangReport:
         return bool(self.errors) or self.analysis.verdict is None
 
     def to_json(self) -> dict:
+        analysis = self.analysis.to_json()
+        if self.job.scheduler_job_id:  # a cluster job: each rank's node
+            node = {r.rank: r.node for r in self.job.ranks}
+            for r in analysis.get("ranks", []):
+                r["node"] = node.get(r["rank"])
         return {
             "job": self.job.to_json(),
-            **self.analysis.to_json(),
+            **analysis,
             "samples": self.samples,
             "errors": self.errors,
             "elapsed_s": round(self.elapsed_s, 3),
@@ -77,6 +82,17 @@ def diagnose(
 ) -> list[HangReport]:
     """Dump and judge every rank of `jobs`, `samples` times, `interval` seconds apart (start to
     start). Raises AttachError when no rank can be read, TargetsExited when all exited."""
+    cluster = [j for j in jobs if j.scheduler_job_id]
+    if cluster:
+        opts = dict(samples=samples, interval=interval, native=native,
+                    show_locals=show_locals, timeout=timeout)  # fmt: skip
+        reports = [_diagnose_on_nodes(j, **opts) for j in cluster]
+        rest = [j for j in jobs if not j.scheduler_job_id]
+        if rest:
+            reports += diagnose(rest, **opts, on_progress=on_progress)
+        if all(rep.analysis.verdict is None for rep in reports):
+            _raise_unreadable(reports)
+        return reports
     started = time.monotonic()
     pyspy = stacks.require_pyspy()
     pids = [r.pid for j in jobs for r in j.ranks]
@@ -130,7 +146,57 @@ def diagnose(
     return reports
 
 
-def _judge(job: Job, rounds: list[dict[int, stacks.Dump]], tracer) -> HangReport:
+def _diagnose_on_nodes(job: Job, **opts) -> HangReport:
+    """A cluster job: every node sampled at once where its ranks run (diagnose.nodes); the
+    ranks of a node that cannot be reached are errors naming it, the verdict is the others'."""
+    from areal_cli.diagnose import nodes
+
+    started = time.monotonic()
+    found = nodes.sample(job.scheduler_job_id, job.nodes, job.marker, **opts)
+    dump_s = time.monotonic() - started
+    known = {(r.node, r.pid): r for r in job.ranks}
+    ranks: dict[tuple, RankProc] = {}
+    rounds: list[dict[tuple, stacks.Dump]] = [{} for _ in range(max(1, opts["samples"]))]
+    unreachable = []
+    for node, res in found.items():
+        for r in res.ranks:
+            ranks[(node, r["pid"])] = RankProc(
+                pid=r["pid"], rank=r["rank"], local_rank=r["local_rank"],
+                world_size=r["world_size"], local_world_size=r["local_world_size"],
+                cmdline=[], node=node,
+            )  # fmt: skip
+        for i, rd in enumerate(res.rounds[: len(rounds)]):
+            for pid, d in rd.items():
+                rounds[i][(node, pid)] = d
+        if res.error:
+            unreachable.append((node, res.error))
+            for key, r in known.items():
+                if r.node == node and key not in ranks:
+                    ranks[key] = r
+                    for rd in rounds:
+                        rd[key] = stacks.Dump(r.pid, error=res.error, error_kind="unreachable")
+    for key, r in known.items():  # in the table, but gone from its node
+        if key not in ranks:
+            ranks[key] = r
+            for rd in rounds:
+                rd[key] = stacks.Dump(r.pid, error="the process exited", error_kind="gone")
+    job.ranks = sorted(ranks.values(), key=lambda r: r.rank if r.rank is not None else 1 << 30)
+    rep = _judge(job, rounds, permissions.tracer_info(None), key=lambda r: (r.node, r.pid))
+    for node, error in unreachable:
+        if not any(e.get("node") == node for e in rep.errors):
+            rep.errors.append({"rank": None, "pid": None, "node": node, "kind": "unreachable",
+                               "error": error, "fix": None})  # fmt: skip
+    for e in rep.errors:
+        if e["kind"] == "unreachable":
+            e["fix"] = (
+                "`sinfo -R` and `scontrol show node NODE` say why; the verdict is the other nodes'"
+            )
+    rep.elapsed_s = time.monotonic() - started
+    rep.timing = {"dump_s": dump_s}
+    return rep
+
+
+def _judge(job: Job, rounds: list[dict], tracer, key=lambda r: r.pid) -> HangReport:
     sourced: set[int] = set()
     for rd in rounds:
         for d in rd.values():
@@ -138,7 +204,8 @@ def _judge(job: Job, rounds: list[dict[int, stacks.Dump]], tracer) -> HangReport
                 d.threads = stacks.with_source(d.threads)
                 sourced.add(id(d.threads))
     per_rank = [
-        RankSamples(rank=r.rank, pid=r.pid, dumps=[rd[r.pid] for rd in rounds]) for r in job.ranks
+        RankSamples(rank=r.rank, pid=r.pid, dumps=[rd[key(r)] for rd in rounds if key(r) in rd])
+        for r in job.ranks
     ]
     analysis = analyze(
         per_rank, expected_ranks=job.expected_local_ranks(), multi_host=job.multi_host
@@ -158,7 +225,7 @@ def _judge(job: Job, rounds: list[dict[int, stacks.Dump]], tracer) -> HangReport
         job=job,
         analysis=analysis,
         samples=len(rounds),
-        dumps={r.pid: [rd[r.pid] for rd in rounds] for r in job.ranks},
+        dumps={key(r): [rd[key(r)] for rd in rounds if key(r) in rd] for r in job.ranks},
         errors=errors,
     )
 
@@ -235,13 +302,16 @@ def write_bundle(reports: list[HangReport], out_dir: str | Path) -> list[Path]:
     for n, rep in enumerate(reports):
         sub = out if len(reports) == 1 else out / f"job{n}"
         sub.mkdir(parents=True, exist_ok=True)
-        rank_of = {r.pid: r.rank for r in rep.job.ranks}
-        for pid, all_dumps in rep.dumps.items():
+        rank_of = {((r.node, r.pid) if r.node else r.pid): r.rank for r in rep.job.ranks}
+        for key, all_dumps in rep.dumps.items():
+            # A cluster job's dumps are keyed (node, pid): pids repeat across nodes.
+            node, pid = key if isinstance(key, tuple) else (None, key)
             # A kept dump (the rank did not run since) is the one before it: written once.
             dumps = [(i, d) for i, d in enumerate(all_dumps) if not d.reused]
             for i, d in dumps:
                 suffix = f"-sample{i}" if len(dumps) > 1 else ""
-                path = sub / f"rank{rank_of.get(pid)}-pid{pid}{suffix}.json"
+                where = f"-{node}" if node else ""
+                path = sub / f"rank{rank_of.get(key)}{where}-pid{pid}{suffix}.json"
                 if d.ok:
                     path.write_text(d.raw)
                 else:

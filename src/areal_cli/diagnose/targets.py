@@ -46,6 +46,7 @@ class RankProc:
     local_world_size: int | None
     cmdline: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    node: str | None = None  # a rank of a cluster job: the node it runs on
 
     def job_key(self) -> tuple:
         e = self.env
@@ -58,6 +59,10 @@ class Job:
     ranks: list[RankProc]
     launcher_pid: int | None = None
     name: str | None = None  # experiment/trial for --job
+    # A cluster job (Slurm): its id, the nodes to reach, and where the marker finds its ranks.
+    scheduler_job_id: str | None = None
+    nodes: dict[str, list[int]] = field(default_factory=dict)  # node -> rank pids (or none known)
+    marker: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -66,8 +71,10 @@ class Job:
 
     def expected_local_ranks(self) -> list[int]:
         """Ranks that should run on this host: all of them on one node, this node's block of
-        LOCAL_WORLD_SIZE ranks on several."""
+        LOCAL_WORLD_SIZE ranks on several; every rank of a cluster job (every node is read)."""
         ws = self.world_size
+        if self.scheduler_job_id:
+            return list(range(ws))
         lws = max((r.local_world_size or 0 for r in self.ranks), default=0)
         if not lws or lws >= ws:
             return list(range(ws))
@@ -94,7 +101,12 @@ class Job:
             "local_ranks_expected": self.expected_local_ranks(),
             "multi_host": self.multi_host,
             "host": settings.hostname(),
-        }
+            **(
+                {"scheduler_job_id": self.scheduler_job_id,
+                 "nodes": {str(r.rank): r.node for r in self.ranks}}
+                if self.scheduler_job_id else {}
+            ),
+        }  # fmt: skip
 
 
 # --------------------------------------------------------------------------- resolution
@@ -178,6 +190,8 @@ def _from_job(name: str, home: str | Path | None) -> Job:
         )
     # The training job if there is one: that is where ranks live.
     job = next((j for j in jobs if j.handle.kind != "serve"), jobs[0])
+    if job.handle.job_id:
+        return _from_cluster_job(job)
     tree = _Tree()
     roots = [p for p in job.pids if procs.pid_alive(p)]
     candidates = {pid for root in roots for pid in tree.descendants(root)}
@@ -192,6 +206,51 @@ def _from_job(name: str, home: str | Path | None) -> Job:
     launcher = next((p for p in job.pids[1:] if procs.pid_alive(p)), None)
     return Job(label=f"job {job.handle.name}", ranks=_number(ranks), launcher_pid=launcher,
                name=job.handle.name)  # fmt: skip
+
+
+def _from_cluster_job(job) -> Job:
+    """A job of a cluster scheduler: its ranks from the registry's rank table (node and pid of
+    each); nodes the table says nothing of are searched for the job's ranks there."""
+    from areal_cli.errors import ArealError
+    from areal_cli.registry import open_registry
+
+    name = job.handle.name
+    if job.state not in ("running", "starting", "stopping"):
+        raise UsageError(
+            f"job {name} (Slurm job {job.handle.job_id}) is {job.state}: no ranks to dump",
+            hint=f"`areal ps --all` shows its state; `areal logs {name}` shows why it ended",
+        )
+    try:
+        table = open_registry(job.registry).ranks(job.handle.experiment, job.handle.trial)
+    except (ArealError, OSError):
+        table = []
+    table = [r for r in table if r.marker == job.marker and r.node]
+    ranks = [
+        RankProc(pid=r.pid, rank=r.rank, local_rank=r.local_rank, world_size=r.world_size,
+                 local_world_size=None, cmdline=[], node=r.node)
+        for r in table
+    ]  # fmt: skip
+    nodes: dict[str, list[int]] = {}
+    for r in ranks:
+        nodes.setdefault(r.node, []).append(r.pid)
+    world = max((r.world_size for r in ranks), default=0)
+    if not ranks or len(ranks) < world:
+        # Not every rank recorded (a script that never called worker.connect()): look on
+        # every node of the job for its processes.
+        nodes = {n: [] for n in job.nodes}
+    if not nodes:
+        raise UsageError(
+            f"job {name} (Slurm job {job.handle.job_id}) has no nodes yet (state: {job.state})",
+            hint="`areal ps` shows whether it still waits in the queue",
+        )
+    return Job(
+        label=f"job {name} (Slurm job {job.handle.job_id}, nodes {','.join(nodes)})",
+        ranks=sorted(ranks, key=lambda r: r.rank),
+        name=name,
+        scheduler_job_id=job.handle.job_id,
+        nodes=nodes,
+        marker=job.marker,
+    )
 
 
 def _discover() -> list[Job]:

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from areal_cli.health import probe_health
+from areal_cli.launchers import node
 
 EXIT_USAGE = 2
 EXIT_TIMEOUT = 3
@@ -63,8 +64,23 @@ class Replica:
 
     def run(self) -> int:
         p = self.p
-        port = p.get("port") or _free_port(p["host"])
-        argv = [a.replace(PORT_TOKEN, str(port)) for a in p["argv"]]
+        host = p["host"]
+        if host == node.NODE_ADDR:
+            host = node.address()  # a cluster node's own address, known only on the node
+        port = p.get("port") or node.free_port(host)
+        tokens = {PORT_TOKEN: str(port), node.NODE_ADDR: host}
+        leader = True
+        if int(p.get("nodes") or 1) > 1:
+            # One server over several nodes: they meet at an address the first node picks.
+            dist = node.meet(Path(self.plan["run_dir"]) / f"server-{p['index']}.dist")
+            dist_host, _, dist_port = dist.rpartition(":")
+            rank = node.index()
+            tokens.update({"{dist_addr}": dist, "{dist_host}": dist_host,
+                           "{dist_port}": dist_port, "{node_rank}": str(rank)})  # fmt: skip
+            leader = rank == 0
+        argv = [_expand(a, tokens) for a in p["argv"]]
+        if not leader:
+            argv += list(p.get("follower_args") or ())
         Path(p["log_path"]).parent.mkdir(parents=True, exist_ok=True)
         # O_APPEND: our lines and the server's interleave whole, never overwrite each other.
         self._log = os.open(
@@ -90,7 +106,10 @@ class Replica:
             self.changed.set()
 
         threading.Thread(target=wake_on_exit, daemon=True).start()
-        host = p["host"]
+        if not leader:
+            # Only the first node serves HTTP; the others hold their share of the model.
+            self.say(f"node {node.name()} runs its part of server-{p['index']}")
+            return self._follow()
         if not self._wait_healthy(host, port):
             code = self.server.poll()
             if code is not None:
@@ -105,7 +124,28 @@ class Replica:
         if listed is None:
             self._shutdown()
             return EXIT_USAGE
+        self._tell_ready()
         return self._keep(listed)
+
+    def _follow(self) -> int:
+        while self.server.poll() is None and not self.stop.is_set():
+            self.changed.wait(1.0)
+            self.changed.clear()
+        return self._shutdown() if self.stop.is_set() else _code(self.server.returncode)
+
+    def _tell_ready(self) -> None:
+        """For a scheduler that watches files (Slurm): which replica is registered where."""
+        run_dir = self.plan.get("run_dir")
+        if not run_dir:
+            return
+        path = Path(run_dir) / f"server-{self.p['index']}.ready"
+        info = {"addr": self.entry.addr, "node": self.entry.node, "pid": self.entry.pid}
+        try:
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(json.dumps(info))
+            os.replace(tmp, path)
+        except OSError as e:
+            self.say(f"cannot write {path}: {e}")
 
     def _wait_healthy(self, host: str, port: int) -> bool:
         deadline = time.monotonic() + float(self.plan["health_timeout"])
@@ -135,7 +175,7 @@ class Replica:
             backend=self.p.get("backend"),
             model_path=plan.get("model_path"),
             tp=plan.get("tp", 1),
-            gpus=self.p.get("gpus", []),
+            gpus=self.p.get("gpus") or _step_gpus(),
             host=settings.hostname(),
             pid=self.server.pid,
             pid_create_time=procs.create_time(self.server.pid),
@@ -143,8 +183,8 @@ class Replica:
             job=f"{plan['experiment']}/{plan['trial']}",
             marker=plan["marker"],
             scheduler=plan.get("scheduler", "local"),
-            scheduler_job_id=os.environ.get("SLURM_JOB_ID"),
-            node=os.environ.get("SLURMD_NODENAME") or settings.hostname(),
+            scheduler_job_id=_slurm_step(),
+            node=node.name(),
         )
         return self._publish("registered")
 
@@ -258,11 +298,23 @@ def _why(e: Exception) -> str:
     return getattr(e, "message", None) or f"{type(e).__name__}: {e}"
 
 
-def _free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host if host not in ("", "0.0.0.0") else "", 0))
-        return s.getsockname()[1]
+def _expand(arg: str, tokens: dict[str, str]) -> str:
+    for token, value in tokens.items():
+        arg = arg.replace(token, value)
+    return arg
+
+
+def _step_gpus() -> list[int]:
+    """The GPUs Slurm bound to this step (their indices on the node)."""
+    raw = os.environ.get("SLURM_STEP_GPUS") or os.environ.get("SLURM_JOB_GPUS") or ""
+    return [int(g) for g in raw.split(",") if g.strip().isdigit()]
+
+
+def _slurm_step() -> str | None:
+    """JOB.STEP of the Slurm step this runs in, or None outside Slurm."""
+    job = os.environ.get("SLURM_JOB_ID")
+    step = os.environ.get("SLURM_STEP_ID")
+    return f"{job}.{step}" if job and step else job
 
 
 def _advertised_host(host: str) -> str:

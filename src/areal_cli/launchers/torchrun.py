@@ -28,6 +28,7 @@ from pathlib import Path
 RANK_PREFIX = re.compile(rb"^\[(?:default|rank)(\d+)\]:")
 LINE_PREFIX_ENV = {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:"}
 DEFAULT_PORT = 29500  # torchrun's own default master port
+RDZV_TOKEN = "{rdzv_endpoint}"  # in a node runner's argv: the endpoint the first node picked
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,12 @@ def rendezvous_port(pid: int) -> int | None:
     return None
 
 
-def run_node(argv: list[str], log_dir: str | Path, own_log: str = "torchrun.log") -> int:
+def run_node(
+    argv: list[str],
+    log_dir: str | Path,
+    own_log: str = "torchrun.log",
+    env: dict[str, str] | None = None,
+) -> int:
     """Run one node's torchrun, splitting its output into rank-N.log per global rank and
     `own_log` for torchrun's own lines. Returns its exit code (128+signal when killed)."""
     import os
@@ -127,14 +133,25 @@ def run_node(argv: list[str], log_dir: str | Path, own_log: str = "torchrun.log"
 
     fd(own_log)
     proc = subprocess.Popen(
-        argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    # torchrun turns SIGTERM/SIGINT into stopping its workers; pass them on.
+        argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env=env,
+    )  # fmt: skip
+    stopped: list[int] = []
+
+    def stop(sig: int, _frame) -> None:
+        # torchrun turns SIGTERM/SIGINT into stopping its workers; pass them on.
+        if not stopped:
+            os.write(fd(own_log), f"stopping: {signal.Signals(sig).name}\n".encode())
+        stopped.append(sig)
+        proc.send_signal(sig)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda s, _f: proc.send_signal(s))
+        signal.signal(sig, stop)
     assert proc.stdout is not None
     for raw in iter(proc.stdout.readline, b""):
         rank, body = split_rank(raw)
+        if rank is None and stopped:
+            continue  # torchrun answers a stop with a SignalException traceback: not news
         os.write(fd(f"rank-{rank}.log" if rank is not None else own_log), body)
     code = proc.wait()
     for f in files.values():
@@ -143,19 +160,39 @@ def run_node(argv: list[str], log_dir: str | Path, own_log: str = "torchrun.log"
 
 
 def main(args: list[str] | None = None) -> int:
-    """python -m areal_cli.launchers.torchrun --log-dir D [--own-log NAME] -- TORCHRUN ARGV"""
+    """python -m areal_cli.launchers.torchrun --log-dir D [--own-log NAME] [--env-file F]
+    [--rendezvous-file F] -- TORCHRUN ARGV
+
+    On a cluster every node runs one of these (a Slurm step with a task per node):
+    `{node}` in --own-log is the node's name; with --rendezvous-file, `{rdzv_endpoint}` in
+    the argv becomes host:port on the first node, picked there (launchers.node.meet);
+    --env-file adds the workers' environment from a JSON file readable by its user only, so
+    that an API key is never on a command line or in a batch script."""
     import argparse
+    import json
+    import os
     import sys
+
+    from areal_cli.launchers import node
 
     ap = argparse.ArgumentParser(prog="python -m areal_cli.launchers.torchrun")
     ap.add_argument("--log-dir", required=True)
     ap.add_argument("--own-log", default="torchrun.log")
+    ap.add_argument("--env-file")
+    ap.add_argument("--rendezvous-file")
     ap.add_argument("argv", nargs=argparse.REMAINDER)
     a = ap.parse_args(args if args is not None else sys.argv[1:])
     argv = a.argv[1:] if a.argv[:1] == ["--"] else a.argv
     if not argv:
         ap.error("give the torchrun command after --")
-    return run_node(argv, a.log_dir, a.own_log)
+    env = None
+    if a.env_file:
+        env = {**os.environ, **json.loads(Path(a.env_file).read_text())}
+    if a.rendezvous_file:
+        endpoint = node.meet(a.rendezvous_file)
+        argv = [x.replace(RDZV_TOKEN, endpoint) for x in argv]
+    own_log = a.own_log.replace("{node}", node.name())
+    return run_node(argv, a.log_dir, own_log, env)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import os
 from areal_cli.errors import UsageError
 from areal_cli.schedulers.api import Handle, Scheduler
 
-NAMES = {"local": "LocalScheduler"}
+NAMES = {"local": "LocalScheduler", "slurm": "SlurmScheduler"}
 DEFAULT = "local"
 
 

@@ -92,6 +92,7 @@ class JobStatus:
     world_size: int | None = None
     reason: str | None = None  # why a queued job waits (Slurm's reason)
     marker: str | None = None  # what every process of the job carries in AREAL_JOB_MARKER
+    registry: str | None = None  # where its servers and ranks are registered
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -1,0 +1,221 @@
+"""Stacks of ranks on other nodes of a Slurm job: per node, one
+
+    srun --overlap --jobid J -w NODE python -m areal_cli.diagnose.nodes --samples N ...
+
+runs the same sampling as a local `areal doctor hang` on that node's ranks, all nodes at once,
+and sends its dumps back as JSON. The ranks are the pids the rank table names for the node, or,
+where the table has none, the processes of the job there (its marker) that carry RANK.
+
+A node that cannot be reached (down, or srun refused) gives an error for each of its ranks,
+naming the node; the verdict is drawn from the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from areal_cli.diagnose import stacks
+
+Key = tuple[str, int]  # (node, pid): pids repeat across nodes
+
+
+@dataclass
+class NodeResult:
+    node: str
+    ranks: list[dict]  # {pid, rank, local_rank, world_size, local_world_size}
+    rounds: list[dict[int, stacks.Dump]]
+    error: str | None = None
+
+
+def sample(
+    job_id: str,
+    nodes: dict[str, list[int]],
+    marker: str | None,
+    *,
+    samples: int,
+    interval: float,
+    native: bool = False,
+    show_locals: bool = False,
+    timeout: float = stacks.DEFAULT_TIMEOUT,
+    python: str | None = None,
+) -> dict[str, NodeResult]:
+    """node → what its ranks' stacks were, every node sampled at the same time. `nodes` maps
+    each node to the pids the rank table names there (empty: find the job's ranks there)."""
+    start = time.time() + 0.5  # every node's first sample at one moment
+    groups = _het_groups(job_id)
+
+    def one(node: str) -> NodeResult:
+        argv = [
+            "srun", "--overlap", f"--jobid={job_id}", "-w", node, "--nodes=1", "--ntasks=1",
+            "--quiet", python or sys.executable, "-m", "areal_cli.diagnose.nodes",
+            "--samples", str(samples), "--interval", str(interval), "--timeout", str(timeout),
+            "--start", f"{start:.3f}",
+        ]  # fmt: skip
+        if node in groups:
+            argv.insert(3, f"--het-group={groups[node]}")
+        if nodes[node]:
+            argv += ["--pids", ",".join(map(str, nodes[node]))]
+        if marker:
+            argv += ["--marker", marker]
+        if native:
+            argv.append("--native")
+        if show_locals:
+            argv.append("--locals")
+        limit = 30 + samples * (interval + timeout)
+        try:
+            res = subprocess.run(argv, capture_output=True, text=True, timeout=limit, check=False)
+        except subprocess.TimeoutExpired:
+            return NodeResult(node, [], [], f"no answer from node {node} within {limit:g}s")
+        except OSError as e:
+            return NodeResult(node, [], [], f"cannot run srun: {e}")
+        try:
+            data = json.loads(res.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            from areal_cli.schedulers.slurm.cluster import slurm_message
+
+            why = (
+                slurm_message(res.stderr) if res.stderr.strip() else f"srun exited {res.returncode}"
+            )
+            return NodeResult(node, [], [], f"node {node} cannot be reached: {why}")
+        rounds = [{int(pid): _dump(d) for pid, d in rd.items()} for rd in data.get("rounds", [])]
+        return NodeResult(node, data.get("ranks", []), rounds, data.get("error"))
+
+    with ThreadPoolExecutor(max_workers=max(1, len(nodes))) as ex:
+        return dict(zip(nodes, ex.map(one, nodes), strict=True))
+
+
+def _het_groups(job_id: str) -> dict[str, int]:
+    """node → its component, for a heterogeneous job (srun reaches it with --het-group)."""
+    from areal_cli.errors import ArealError
+    from areal_cli.schedulers.slurm import cluster
+
+    try:
+        info = cluster.jobs([job_id]).get(job_id)
+    except ArealError:
+        return {}
+    if info is None or len(info.components) < 2:
+        return {}
+    return {n: offset for offset, names in info.components.items() for n in names}
+
+
+def _dump(d: dict) -> stacks.Dump:
+    threads = []
+    if d.get("raw") and not d.get("error"):
+        try:
+            threads = stacks.parse_pyspy_json(d["raw"])
+        except ValueError:
+            pass
+    return stacks.Dump(
+        pid=d["pid"],
+        threads=threads,
+        raw=d.get("raw", ""),
+        error=d.get("error"),
+        error_kind=d.get("error_kind"),
+        taken_at=d.get("taken_at", 0.0),
+        elapsed_s=d.get("elapsed_s", 0.0),
+        counters={int(k): tuple(v) for k, v in (d.get("counters") or {}).items()},
+        ran=None if d.get("ran") is None else {int(k): v for k, v in d["ran"].items()},
+        reused=bool(d.get("reused")),
+    )
+
+
+# -- the node's side ------------------------------------------------------------------------
+
+
+def _ranks_here(pids: list[int], marker: str | None) -> list[dict]:
+    """The ranks to dump on this node: the given pids, or the job's processes carrying RANK."""
+    from areal_cli import procs
+    from areal_cli.diagnose.targets import _Tree
+
+    tree = _Tree()
+    here = os.environ.get("SLURMD_NODENAME")
+    candidates = set(pids)
+    if not candidates and marker:
+        for p in procs.find_marked(marker):
+            try:
+                node = p.environ().get("SLURMD_NODENAME")
+            except Exception:
+                continue
+            # Several slurmd may share a host: only this node's ranks.
+            if here is None or node in (None, here):
+                candidates.add(p.pid)
+    out = []
+    for r in tree.topmost_ranks(candidates) if not pids else _given(tree, pids):
+        out.append({"pid": r.pid, "rank": r.rank, "local_rank": r.local_rank,
+                    "world_size": r.world_size, "local_world_size": r.local_world_size})  # fmt: skip
+    return out
+
+
+def _given(tree, pids: list[int]):
+    from areal_cli.diagnose.targets import _rank_proc
+
+    out = []
+    for pid in pids:
+        p = tree.proc(pid)
+        r = _rank_proc(p) if p is not None else None
+        if r is not None:
+            out.append(r)
+    return out
+
+
+def _to_json(d: stacks.Dump) -> dict:
+    return {
+        "pid": d.pid,
+        "raw": d.raw if d.ok else "",
+        "error": d.error,
+        "error_kind": d.error_kind,
+        "taken_at": d.taken_at,
+        "elapsed_s": d.elapsed_s,
+        "counters": {str(k): list(v) for k, v in d.counters.items()},
+        "ran": None if d.ran is None else {str(k): v for k, v in d.ran.items()},
+        "reused": d.reused,
+    }
+
+
+def node_main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m areal_cli.diagnose.nodes")
+    ap.add_argument("--pids", default="")
+    ap.add_argument("--marker")
+    ap.add_argument("--samples", type=int, default=3)
+    ap.add_argument("--interval", type=float, default=0.5)
+    ap.add_argument("--timeout", type=float, default=stacks.DEFAULT_TIMEOUT)
+    ap.add_argument("--start", type=float, default=0.0)
+    ap.add_argument("--native", action="store_true")
+    ap.add_argument("--locals", action="store_true")
+    a = ap.parse_args(argv)
+    out: dict = {"node": os.environ.get("SLURMD_NODENAME"), "ranks": [], "rounds": []}
+    try:
+        pids = [int(p) for p in a.pids.split(",") if p.strip()]
+        out["ranks"] = ranks = _ranks_here(pids, a.marker)
+        pyspy = stacks.require_pyspy()
+        from areal_cli.diagnose import hang
+
+        hang.preflight([r["pid"] for r in ranks], pyspy)
+        first = max(a.start, time.time())
+        previous = None
+        for i in range(max(1, a.samples)):
+            pause = first + i * a.interval - time.time()
+            if pause > 0:
+                time.sleep(pause)
+            dumps = stacks.dump_many(
+                [r["pid"] for r in ranks], pyspy=pyspy, native=a.native,
+                show_locals=a.locals, timeout=a.timeout, previous=previous,
+            )  # fmt: skip
+            out["rounds"].append({str(pid): _to_json(d) for pid, d in dumps.items()})
+            previous = dumps
+    except Exception as e:  # reported to the controller, which names this node
+        out["error"] = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(node_main())

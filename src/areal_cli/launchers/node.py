@@ -1,0 +1,99 @@
+"""Which node a runner is on and the address other nodes reach it by, and a meeting point for
+the runners of one multi-node process (torchrun's rendezvous, a multi-node server's
+--dist-init-addr): the first node picks a port on its own address and writes it to a file
+on the shared filesystem, the others read it there.
+
+Under Slurm the node is SLURMD_NODENAME (several slurmd may share one host and its
+hostname) and its address is Slurm's NodeAddr; elsewhere the hostname and its address.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+NODE_ADDR = "{node_addr}"  # in a plan's host and argv: this node's address, found on the node
+
+
+def name() -> str:
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def index() -> int:
+    """This node's place among the nodes of its job step (0 is the first)."""
+    try:
+        return int(os.environ.get("SLURM_NODEID", "0"))
+    except ValueError:
+        return 0
+
+
+def address() -> str:
+    """The IPv4 address other nodes reach this one by: Slurm's NodeAddr for it, else the
+    hostname's address when that is not loopback, else the first non-loopback address."""
+    node = os.environ.get("SLURMD_NODENAME")
+    if node and shutil.which("scontrol"):
+        try:
+            res = subprocess.run(
+                ["scontrol", "show", "node", node, "-o"],
+                capture_output=True, text=True, timeout=10, check=False,
+            )  # fmt: skip
+            m = re.search(r"\bNodeAddr=(\S+)", res.stdout)
+            if m:
+                return _ipv4(m.group(1)) or m.group(1)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    here = _ipv4(socket.gethostname())
+    if here and not here.startswith("127."):
+        return here
+    import ipaddress
+
+    import psutil
+
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback:
+                return a.address
+    return here or "127.0.0.1"
+
+
+def _ipv4(host: str) -> str | None:
+    try:
+        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except (OSError, IndexError):
+        return None
+
+
+def free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host if host not in ("", "0.0.0.0") else "", 0))
+        return s.getsockname()[1]
+
+
+def meet(path: str | Path, timeout: float = 600.0, alive=lambda: True) -> str:
+    """host:port where the nodes of one multi-node process meet. The first node (index 0)
+    picks a free port on its address and writes the file; the others wait for it (as long as
+    `alive()` holds, at most `timeout` seconds)."""
+    path = Path(path)
+    if index() == 0:
+        host = address()
+        endpoint = f"{host}:{free_port(host)}"
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(endpoint)
+        os.replace(tmp, path)
+        return endpoint
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and alive():
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            text = ""
+        if text:
+            return text
+        time.sleep(0.05)
+    raise TimeoutError(f"the first node did not write {path} within {timeout:g}s")

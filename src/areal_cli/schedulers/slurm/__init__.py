@@ -1,0 +1,244 @@
+"""The Slurm scheduler: a job is one batch job on a Slurm cluster.
+
+    planner.py  JobSpec → SlurmPlan: nodes, GPUs, steps, checked against the partition
+    script.py   the batch script (what --dry-run prints)
+    job.py      submit, watch (squeue, the runners' files), the outcome, the cleanup
+    records.py  records of submitted jobs in AREAL_HOME
+    cluster.py  sbatch, squeue --json, scancel, sinfo, scontrol
+
+Each server replica is a job step running the replica runner (launchers/replica.py) on its
+node: it binds the node's address, health-gates the server and registers it with its Slurm job,
+step and node. Training is one step with a torchrun per node (launchers/torchrun.py). The
+batch job needs no `areal` process to run: `areal` submits and watches it, and `areal stop`
+cancels it. Logs are files in the trial's folder on the shared filesystem.
+
+Importing this package runs no Slurm command: `areal ps` lists every scheduler.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from areal_cli import settings
+from areal_cli.errors import UsageError
+from areal_cli.schedulers.api import (
+    LIVE,
+    EventFn,
+    Handle,
+    JobStatus,
+    LineFn,
+    Request,
+    Scheduler,
+    ServerStatus,
+    StopResult,
+)
+from areal_cli.schedulers.slurm import records
+
+
+class SlurmScheduler(Scheduler):
+    name = "slurm"
+
+    def __init__(self, home: Path | None = None, registry: str | None = None):
+        self.home = home or settings.home()
+        self.registry = registry
+        self._stop = threading.Event()
+        self._watch = None
+
+    # -- submit ---------------------------------------------------------------------------
+
+    def dryrun(self, spec, check_packages: bool = False) -> Request:
+        from areal_cli.schedulers.slurm import planner
+
+        plan = planner.plan(
+            spec, self.home, settings.registry_url(self.registry), check_packages=check_packages
+        )
+        return Request(self.name, spec, plan)
+
+    def schedule(
+        self,
+        request: Request,
+        *,
+        detach: bool,
+        on_event: EventFn | None = None,
+        on_line: LineFn | None = None,
+        on_progress: Callable[[str], None] | None = None,
+    ) -> Handle:
+        from areal_cli.schedulers.slurm import job
+
+        plan = request.plan
+        rec = job.submit(plan, self.home)
+        handle = self._handle(rec)
+        if on_event:
+            on_event("submitted", {"what": f"Slurm job {rec.job_id}", "job_id": rec.job_id})
+        watch = job.Watch(
+            plan, rec, self.home, self._stop, on_event,
+            on_line=None if detach else on_line, on_progress=on_progress,
+        )  # fmt: skip
+        self._watch = watch
+        try:
+            watch.until_ready()
+            if detach:
+                return handle
+            watch.until_end()
+            return handle
+        except KeyboardInterrupt:
+            # Ctrl-C while a detached start waits means "never mind": the job goes too.
+            watch._cancel("interrupted while starting")
+            raise
+        finally:
+            watch.close()
+
+    def request_stop(self, signum: int = 2) -> None:
+        if self._watch is not None:
+            self._watch.stop_code = 128 + int(signum)
+        self._stop.set()
+
+    # -- what runs ------------------------------------------------------------------------
+
+    def find(self, experiment: str, trial: str, kind: str | None = None) -> list[Handle]:
+        return [self._handle(r) for r in records.load(self.home, experiment, trial, kind)]
+
+    def describe(self, handle: Handle) -> JobStatus | None:
+        recs = records.load(self.home, handle.experiment, handle.trial, handle.kind)
+        recs = [r for r in recs if handle.job_id in (None, r.job_id)]
+        if not recs:
+            return None
+        return self._statuses(recs[:1], include_ended=True)[0]
+
+    def list(self, include_ended: bool = False) -> list[JobStatus]:
+        recs = records.all_records(self.home)
+        if not recs:
+            return []  # no Slurm command when Slurm was never used from this home
+        return self._statuses(recs, include_ended)
+
+    def _statuses(self, recs: list[records.SlurmRecord], include_ended: bool) -> list[JobStatus]:
+        from areal_cli.errors import ArealError
+        from areal_cli.schedulers.slurm import job
+
+        if any(r.live for r in recs):
+            try:
+                job.refresh(recs, self.home)
+            except UsageError:
+                raise
+            except ArealError as e:
+                for r in recs:
+                    if r.live:
+                        r.reason = f"squeue: {e.message}"
+        rows = [r for r in recs if include_ended or r.live]
+        return [self._status(r) for r in rows]
+
+    def _status(self, rec: records.SlurmRecord) -> JobStatus:
+        servers: list[ServerStatus] = []
+        ranks_alive = world = None
+        state = rec.state
+        if rec.live:
+            from areal_cli.errors import ArealError
+            from areal_cli.registry import open_registry
+
+            try:
+                reg = open_registry(rec.registry)
+                entries = [e for e in reg.list(rec.experiment, rec.trial).servers
+                           if e.marker == rec.marker]  # fmt: skip
+                ranks = [r for r in reg.ranks(rec.experiment, rec.trial) if r.marker == rec.marker]
+            except (ArealError, OSError):
+                entries, ranks = [], []
+            health: dict[str, bool] = {}
+            if entries:
+                from areal_cli import discovery
+
+                health = discovery.healthy([e.addr for e in entries], timeout=1.0)
+            servers = [
+                ServerStatus(addr=e.addr, healthy=bool(health.get(e.addr)), pid=e.pid,
+                             gpus=e.gpus, node=e.node)
+                for e in entries
+            ]  # fmt: skip
+            if state == "running" and len(entries) < rec.replicas:
+                state = "starting"
+            if rec.world_size:
+                ranks_alive, world = len(ranks), rec.world_size
+        return JobStatus(
+            handle=self._handle(rec),
+            state=state,
+            host=None,
+            nodes=rec.nodes,
+            pids=[],
+            servers=servers,
+            started=rec.submitted,
+            log_dir=rec.log_dir,
+            alloc=rec.alloc,
+            model=rec.model,
+            message=rec.message,
+            exit_code=rec.exit_code,
+            ranks_alive=ranks_alive,
+            world_size=world,
+            reason=rec.reason,
+            marker=rec.marker,
+            registry=rec.registry,
+        )
+
+    def _handle(self, rec: records.SlurmRecord) -> Handle:
+        return Handle(self.name, rec.experiment, rec.trial, rec.kind, rec.job_id)
+
+    def _record(self, handle: Handle) -> records.SlurmRecord:
+        recs = records.load(self.home, handle.experiment, handle.trial, handle.kind)
+        recs = [r for r in recs if handle.job_id in (None, r.job_id)]
+        if not recs:
+            raise UsageError(f"no Slurm job {handle.name} under {records.root(self.home)}")
+        return recs[0]
+
+    # -- logs, stop -----------------------------------------------------------------------
+
+    def log_iter(
+        self,
+        handle: Handle,
+        role: str | None = None,
+        index: int | None = None,
+        follow: bool = False,
+        lines: int = 50,
+    ) -> Iterator[tuple[str, str]]:
+        import time
+
+        from areal_cli import logfiles
+
+        rec = self._record(handle)
+        log_dir = Path(rec.log_dir)
+        if not logfiles.select_logs(log_dir, role, index) and not (follow and rec.live):
+            raise UsageError(
+                f"no log files for {rec.name}"
+                + (f" with role {role}" if role else "")
+                + f" in {rec.log_dir}",
+                hint="roles: " + ", ".join(logfiles.ROLES),
+            )
+        follower = logfiles.Follower(log_dir, role, index, history=lines)
+        checked = 0.0
+        while True:
+            got = False
+            for item in follower.poll():
+                got = True
+                yield item
+            if not follow:
+                return
+            if not got and time.monotonic() - checked > 1.0:
+                checked = time.monotonic()
+                self._statuses([rec], include_ended=True)
+                if not rec.live:
+                    yield from follower.poll()
+                    return
+            if not got:
+                time.sleep(0.2)
+
+    def cancel(self, handle: Handle, timeout: float = 30.0) -> StopResult:
+        """scancel, wait until every step ended; then no registry entry and no process of the
+        job is left (on this host: a step Slurm lost track of)."""
+        from areal_cli.schedulers.slurm import job
+
+        rec = self._record(handle)
+        job.refresh([rec], self.home)
+        was_running = rec.state in LIVE
+        info = None
+        if was_running:
+            info = job.cancel(rec, self.home, timeout, job.STOPPED_BY_AREAL)
+        deregistered = job.finish(rec, self.home, info)
+        return StopResult(rec.name, was_running, int(was_running), deregistered)

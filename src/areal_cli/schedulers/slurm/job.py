@@ -1,0 +1,578 @@
+"""One submitted Slurm job, from `areal`'s side: submit it, watch it start (squeue) and its
+servers register (the runners' files in the run folder), follow it to its end, tell why it
+ended, and leave nothing behind (registry entries, stray processes).
+
+The batch job itself needs none of this to run: killing `areal` leaves it running, and
+`areal stop` ends it later.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from areal_cli import apikeys, logfiles, settings
+from areal_cli.errors import EXIT_TIMEOUT, ArealError, LaunchError, UsageError, WaitTimeout
+from areal_cli.schedulers.api import ENDED, LIVE, Stopped
+from areal_cli.schedulers.common import describe_exit, root_cause, tail_text
+from areal_cli.schedulers.slurm import cluster, records
+from areal_cli.schedulers.slurm.planner import SlurmPlan, jobs_dir, slot
+from areal_cli.schedulers.slurm.records import SlurmRecord
+from areal_cli.schedulers.slurm.script import PLAN_FILE, TRAINER_ENV_FILE
+
+POLL = 0.2  # seconds between squeue calls while waiting (each costs the controller an RPC)
+STOPPED_BY_AREAL = "stopped by areal stop"
+# Pending reasons no wait resolves (squeue's words; src/common/job_state_reason.c): the job as
+# submitted does not fit the partition, account or QOS. A cluster without EnforcePartLimits
+# queues such a job instead of refusing it.
+NEVER = frozenset({
+    "AccountNotAllowed", "InvalidAccount", "QOSNotAllowed", "InvalidQOS", "BadConstraints",
+    "PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "DependencyNeverSatisfied",
+})  # fmt: skip
+EventFn = Callable[[str, dict], None]
+
+
+# -- submitting ----------------------------------------------------------------------------
+
+
+def submit(plan: SlurmPlan, home: Path) -> SlurmRecord:
+    """Write the run folder (private plan, the trainers' environment, the script), sbatch it,
+    record it. One live job per slot: a second submission is refused, naming the first."""
+    with _slot_lock(home, plan):
+        refuse_if_running(home, plan)
+        previous = records.load(home, plan.experiment, plan.trial, plan.kind)
+        run = Path(plan.run_dir)
+        settings.ensure_dir(plan.log_dir)
+        settings.ensure_dir(run.parent)
+        run.mkdir(mode=0o700)
+        try:
+            _private(run / PLAN_FILE, json.dumps(plan.to_json(redact=False)))
+            for p in plan.trainers:
+                _private(run / TRAINER_ENV_FILE, json.dumps(p.env))
+            (run / "job.sh").write_text(plan.script)
+            if plan.api_key and plan.api_key_file and plan.servers:
+                apikeys.store(plan.api_key_file, plan.marker, plan.api_key)
+            job_id = cluster.sbatch(str(run / "job.sh"))
+        except BaseException:
+            shutil.rmtree(run, ignore_errors=True)
+            raise
+        rec = SlurmRecord(
+            experiment=plan.experiment,
+            trial=plan.trial,
+            kind=plan.kind,
+            job_id=job_id,
+            marker=plan.marker,
+            state="pending",
+            submitted=time.time(),
+            log_dir=plan.log_dir,
+            registry=plan.registry,
+            run_dir=plan.run_dir,
+            alloc=plan.alloc,
+            model=plan.model_path,
+            replicas=len(plan.servers),
+            world_size=_world(plan),
+            api_key_file=plan.api_key_file,
+        )
+        records.write(home, rec)
+    for old in previous:
+        if not old.live and old.run_dir != rec.run_dir:
+            shutil.rmtree(old.run_dir, ignore_errors=True)
+    return rec
+
+
+def _world(plan: SlurmPlan) -> int:
+    from areal_cli.parallel import ParallelDims
+
+    if not plan.trainers:
+        return 0
+    return ParallelDims.from_alloc(plan.trainers[0].env["AREAL_ALLOC"]).world_size
+
+
+def _private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+class _slot_lock:
+    """Held while a slot is checked and submitted: two submissions at once, one refused."""
+
+    def __init__(self, home: Path, plan: SlurmPlan):
+        self.path = jobs_dir(home, plan.experiment, plan.trial) / f".{slot(plan.kind)}.lock"
+        self.plan = plan
+
+    def __enter__(self):
+        import fcntl
+
+        settings.ensure_dir(self.path.parent)
+        self.f = open(self.path, "a+")  # noqa: SIM115 - the lock lives as long as the file
+        try:
+            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.f.close()
+            raise UsageError(
+                f"another {slot(self.plan.kind)} job of {self.plan.experiment}/"
+                f"{self.plan.trial} is being submitted right now",
+                hint="see `areal ps`, or pick another --trial",
+            ) from None
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def refuse_if_running(home: Path, plan: SlurmPlan) -> None:
+    """A serving and a training job may share E/T; a second of the same kind may not, on this
+    scheduler or the local one."""
+    from areal_cli import schedulers
+
+    mine = records.load(home, plan.experiment, plan.trial)
+    refresh(mine, home)
+    found = [(r.kind, f"Slurm job {r.job_id}, {r.state}") for r in mine if r.live]
+    local = schedulers.get("local", home=home)
+    for h in local.find(plan.experiment, plan.trial):
+        job = local.describe(h)
+        if job is not None and job.state in LIVE:
+            found.append((h.kind, f"local, pid {job.pids[0] if job.pids else '?'}"))
+    for kind, what in found:
+        if slot(kind) == slot(plan.kind) or "serve+train" in (kind, plan.kind):
+            raise UsageError(
+                f"job {plan.experiment}/{plan.trial} is already running ({kind}, {what})",
+                hint=f"stop it first (areal stop {plan.experiment}/{plan.trial}) or pick "
+                "another --trial",
+            )
+
+
+# -- what squeue says ------------------------------------------------------------------------
+
+
+def refresh(recs: list[SlurmRecord], home: Path) -> None:
+    """Bring live records up to date with squeue (one call for all); a job that ended since is
+    finished: its outcome recorded, its registry entries gone."""
+    live = [r for r in recs if r.live]
+    if not live:
+        return
+    infos = cluster.jobs([r.job_id for r in live])
+    for rec in live:
+        info = infos.get(rec.job_id)
+        if info is not None:
+            update(rec, info)
+            if info.state in ENDED:
+                finish(rec, home, info)
+            else:
+                records.write(home, rec)
+            continue
+        # squeue forgot it (ended more than MinJobAge ago): what the batch script left.
+        code = _read_code(Path(rec.run_dir) / "job.exit")
+        rec.state = "dead" if code is None else ("stopped" if code == 0 else "failed")
+        rec.exit_code = code
+        rec.message = rec.message or (
+            "ended unseen; Slurm no longer knows it"
+            if code is None
+            else f"ended ({describe_exit(code)})"
+        )
+        finish(rec, home, None)
+
+
+def update(rec: SlurmRecord, info: cluster.JobInfo) -> None:
+    rec.slurm_state = info.slurm_state
+    rec.state = info.state
+    rec.nodes = info.nodes or rec.nodes
+    rec.reason = info.reason if info.state == "pending" else None
+    rec.exit_code = info.exit_code if info.state in ENDED else rec.exit_code
+    if info.start_time and info.state != "pending":
+        rec.started = float(info.start_time)
+
+
+def finish(rec: SlurmRecord, home: Path, info: cluster.JobInfo | None) -> int:
+    """The job has ended: nothing of it stays in discovery, nothing of it runs on this host,
+    the record says how it ended. Returns the registry entries removed."""
+    from areal_cli.registry import open_registry
+
+    if info is not None and rec.message is None:
+        rec.message = {
+            "cancelled": "cancelled outside areal (scancel, or an administrator)",
+            "failed": f"Slurm: {info.slurm_state}",
+        }.get(info.state)
+    gone = 0
+    try:
+        gone = open_registry(rec.registry).deregister_job(rec.experiment, rec.trial, rec.marker)
+    except (ArealError, OSError):
+        pass  # the entries' leases run out anyway
+    sweep(rec.marker)
+    records.write(home, rec)
+    return gone
+
+
+def sweep(marker: str) -> int:
+    """Processes of an ended job still running on this host (a task Slurm lost track of)."""
+    from areal_cli import procs
+
+    return procs.kill_job(marker, grace=3.0)
+
+
+def _read_code(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def cancel(rec: SlurmRecord, home: Path, timeout: float, reason: str) -> cluster.JobInfo | None:
+    """scancel, then wait (up to `timeout`) until Slurm has ended every step. The record says
+    why first, so that an `areal` following the job tells a stop from a cancel by others."""
+    rec.state, rec.message = "stopping", reason
+    records.write(home, rec)
+    cluster.scancel(rec.job_id)
+    deadline = time.monotonic() + timeout
+    info = None
+    while time.monotonic() < deadline:
+        info = cluster.jobs([rec.job_id]).get(rec.job_id)
+        if info is None or info.state in ENDED:
+            break
+        time.sleep(POLL)
+    if info is not None:
+        update(rec, info)
+    rec.state = "stopped"
+    rec.message = reason
+    return info
+
+
+# -- watching one job from `areal` -----------------------------------------------------------
+
+
+def _follow(plan: SlurmPlan, on_line, stop: threading.Event) -> threading.Thread:
+    """Feed the job's new log lines to `on_line` until `stop`: its own roles only (a training
+    job's terminal shows no serving job's lines), and of files that already exist only what the
+    job writes (it starts them afresh)."""
+    roles = (("server",) if plan.servers else ()) + (("rank", "torchrun") if plan.trainers else ())
+    follower = logfiles.Follower(Path(plan.log_dir), history=None, roles=roles)
+    for label, path in logfiles.select_logs(Path(plan.log_dir)).items():
+        try:
+            follower.offsets[label] = path.stat().st_size
+        except OSError:
+            pass
+
+    def loop() -> None:
+        while True:
+            stopping = stop.wait(0.05)
+            for label, line in follower.poll():
+                on_line(label, line)
+            if stopping:
+                return
+
+    t = threading.Thread(target=loop, name="log-follower", daemon=True)
+    t.start()
+    return t
+
+
+class Watch:
+    """Follows one submitted job: pending → running → servers registered → its end."""
+
+    def __init__(
+        self,
+        plan: SlurmPlan,
+        rec: SlurmRecord,
+        home: Path,
+        stop: threading.Event,
+        on_event: EventFn | None = None,
+        on_line=None,
+        on_progress=None,
+    ):
+        self.plan, self.rec, self.home, self.stop = plan, rec, home, stop
+        self.on_event = on_event or (lambda kind, info: None)
+        self.on_progress = on_progress or (lambda text: None)
+        self.run = Path(plan.run_dir)
+        self.stop_code = 130
+        self.info: cluster.JobInfo | None = None
+        self.ready: dict[int, dict] = {}
+        self.lost: set[int] = set()
+        self._follow_stop = threading.Event()
+        self._follower = None
+        if on_line is not None:
+            self._follower = _follow(plan, on_line, self._follow_stop)
+
+    # -- phases ---------------------------------------------------------------------------
+
+    def until_ready(self) -> None:
+        """Until the job runs and every server replica registered; raises on failure, on a
+        timeout (the job cancelled) and on a stop (Stopped, the job cancelled)."""
+        self._started()
+        n = len(self.plan.servers)
+        deadline = time.monotonic() + self.plan.health_timeout + 30.0
+        last_poll = 0.0
+        while len(self.ready) < n:
+            self._check_stop()
+            self._read_ready()
+            failed = self._failed_server(set(range(n)) - set(self.ready))
+            if failed is not None:
+                self._fail(failed)
+            if time.monotonic() - last_poll > POLL * 2.5:
+                last_poll = time.monotonic()
+                self._poll()
+                if self.info is None or self.info.state in ENDED:
+                    self._ended()
+            if time.monotonic() > deadline:
+                self._cancel("not ready in time")
+                raise WaitTimeout(
+                    f"{n - len(self.ready)} server(s) of Slurm job {self.rec.job_id} not "
+                    f"registered after {self.plan.health_timeout:g}s",
+                    hint=f"areal logs {self.rec.name} --role server",
+                )
+            if len(self.ready) < n:
+                time.sleep(0.05)
+        if n:
+            self.rec.state = "running"
+            records.write(self.home, self.rec)
+            self.on_event("ready", {"servers": [self.ready[i]["addr"] for i in sorted(self.ready)]})
+
+    def until_end(self) -> int:
+        """Follow the job to its end (a stop cancels it). Returns 0 when it ended well; raises
+        LaunchError (root cause first) or Stopped."""
+        while True:
+            self._check_stop()
+            self._poll()
+            if self.info is None or self.info.state in ENDED:
+                return self._ended()
+            for i in sorted(set(self.ready) - self.lost):
+                code = self._exit_code(f"server-{i}")
+                if code is not None:
+                    self.lost.add(i)
+                    self.on_event(
+                        "server_lost",
+                        {"label": f"server-{i}", "addr": self.ready[i]["addr"],
+                         "why": describe_exit(code),
+                         "tail": logfiles.tail(self.plan.servers[i].log_path, 20)},
+                    )  # fmt: skip
+            self.stop.wait(0.5)
+
+    def close(self) -> None:
+        self._follow_stop.set()
+        if self._follower is not None:
+            self._follower.join(timeout=2)
+
+    # -- pieces ---------------------------------------------------------------------------
+
+    def _started(self) -> None:
+        """Until Slurm starts the job; pending longer than the health timeout cancels it."""
+        deadline = time.monotonic() + self.plan.health_timeout
+        while True:
+            self._check_stop()
+            self._poll()
+            info = self.info
+            if info is None or info.state in ENDED:
+                self._ended()
+            if info.state != "pending":
+                self.rec.state = "starting" if self.plan.servers else "running"
+                records.write(self.home, self.rec)
+                self.on_event("running", {"job_id": self.rec.job_id, "nodes": info.nodes})
+                return
+            self.on_progress(f"Slurm job {self.rec.job_id} pending ({info.reason or 'queued'})")
+            if info.reason in NEVER:
+                self._cancel(f"never runnable: {info.reason}")
+                raise UsageError(
+                    f"Slurm will not run job {self.rec.job_id} as submitted (squeue: "
+                    f"{info.reason}); cancelled it",
+                    hint="check --partition, --account and --time against `sinfo` and "
+                    "`sacctmgr show assoc user=$USER`",
+                )
+            if time.monotonic() > deadline:
+                reason = info.reason or "no reason given"
+                self._cancel(f"pending longer than {self.plan.health_timeout:g}s")
+                raise WaitTimeout(
+                    f"Slurm job {self.rec.job_id} still pending after "
+                    f"{self.plan.health_timeout:g}s (squeue: {reason}); cancelled it",
+                    hint="`squeue -j JOB --start` says when it may start; ask for fewer "
+                    "resources or raise --health-timeout",
+                )
+            time.sleep(POLL)
+
+    def _poll(self) -> None:
+        self.info = cluster.jobs([self.rec.job_id]).get(self.rec.job_id)
+        if self.info is not None:
+            before = self.rec.state
+            update(self.rec, self.info)
+            if self.info.state == "running" and before == "starting":
+                self.rec.state = "starting"  # until its servers registered
+
+    def _read_ready(self) -> None:
+        for i in range(len(self.plan.servers)):
+            if i in self.ready:
+                continue
+            try:
+                info = json.loads((self.run / f"server-{i}.ready").read_text())
+            except (OSError, ValueError):
+                continue
+            self.ready[i] = info
+            self.on_event("healthy", {"label": f"server-{i}", "addr": info["addr"],
+                                      "node": info.get("node")})  # fmt: skip
+            self.on_progress(f"{len(self.ready)}/{len(self.plan.servers)} server(s) registered")
+
+    def _exit_code(self, label: str) -> int | None:
+        return _read_code(self.run / f"{label}.exit")
+
+    def _failed_server(self, indices) -> int | None:
+        for i in sorted(indices):
+            if self._exit_code(f"server-{i}") is not None:
+                return i
+        return None
+
+    def _fail(self, i: int) -> None:
+        """A replica ended before it was ready: the start failed, root cause first."""
+        code = self._exit_code(f"server-{i}")
+        p = self.plan.servers[i]
+        self._cancel(f"server-{i} failed while starting")
+        if code == EXIT_TIMEOUT:
+            raise WaitTimeout(
+                f"server-{i} not healthy after {self.plan.health_timeout:g}s",
+                detail=tail_text(p.log_path),
+                hint=f"raise --health-timeout for big models, or read the log: {p.log_path}",
+            )
+        raise LaunchError(
+            f"server-{i} failed while starting: {describe_exit(code)}",
+            detail=tail_text(p.log_path),
+            hint=f"full log: {p.log_path}",
+        )
+
+    def _check_stop(self) -> None:
+        if self.stop.is_set():
+            self.on_event("stopping", {"state": "stopped"})
+            self._cancel("interrupted" if self.stop_code == 130 else "terminated")
+            raise Stopped(self.stop_code)
+
+    def _cancel(self, reason: str) -> None:
+        info = cancel(self.rec, self.home, 30.0, reason)
+        self.close()
+        finish(self.rec, self.home, info)
+
+    def _ended(self) -> int:
+        """The job ended on its own (or from outside): its outcome, root cause first."""
+        info = self.info
+        self.close()
+        if info is not None:
+            update(self.rec, info)
+        else:  # squeue forgot it already
+            code = _read_code(self.run / "job.exit")
+            self.rec.state = "stopped" if code == 0 else "failed"
+            self.rec.exit_code = code
+        try:
+            return self._outcome(info)
+        except ArealError as e:
+            self.rec.message, self.rec.detail = e.message, e.detail
+            raise
+        finally:
+            finish(self.rec, self.home, info)
+
+    def _outcome(self, info: cluster.JobInfo | None) -> int:
+        job = f"Slurm job {self.rec.job_id}"
+        state = info.slurm_state if info else ""
+        if state == "CANCELLED":
+            if STOPPED_BY_AREAL in (self._on_disk().message or ""):
+                self.rec.state, self.rec.message = "stopped", STOPPED_BY_AREAL
+                self.on_event("stopping", {"state": "stopped"})
+                raise Stopped(143)  # as a local job stopped by `areal stop` (SIGTERM)
+            raise LaunchError(
+                f"{job} was cancelled (not by areal: scancel, or an administrator)",
+                hint=f"`areal logs {self.rec.name}` shows how far it got",
+            )
+        if state == "NODE_FAIL":
+            raise self._node_failure(info)
+        if state in ("TIMEOUT", "DEADLINE"):
+            raise LaunchError(f"{job} reached its time limit (Slurm: {state})",
+                              hint="raise --time")  # fmt: skip
+        if state == "OUT_OF_MEMORY":
+            raise LaunchError(f"{job} ran out of memory (Slurm: OUT_OF_MEMORY)",
+                              hint="ask for more with --slurm-arg=--mem=...")  # fmt: skip
+        if self.plan.trainers:
+            code = self._exit_code("torchrun")
+            if code is None:
+                code = info.exit_code if info and info.exit_code is not None else 1
+            self.on_event("trainer_exit", {"label": "torchrun", "code": code})
+            if code == 0:
+                return 0
+            raise self._trainer_failure(code)
+        for i in range(len(self.plan.servers)):
+            code = self._exit_code(f"server-{i}")
+            if code:
+                p = self.plan.servers[i]
+                raise LaunchError(
+                    f"server-{i} failed (no replica left): {describe_exit(code)}",
+                    detail=tail_text(p.log_path),
+                    hint=f"full log: {p.log_path}",
+                )
+        code = info.exit_code if info and info.exit_code is not None else 0
+        if code:
+            raise LaunchError(f"{job} ended with {describe_exit(code)}",
+                              detail=tail_text(self._supervisor_log()))  # fmt: skip
+        raise LaunchError(f"{job} ended: every server exited",
+                          hint=f"areal logs {self.rec.name} --role server")  # fmt: skip
+
+    def _on_disk(self) -> SlurmRecord:
+        """The record as `areal stop` (another process) may have left it."""
+        for rec in records.load(self.home, self.rec.experiment, self.rec.trial, self.rec.kind):
+            if rec.job_id == self.rec.job_id:
+                return rec
+        return self.rec
+
+    def _supervisor_log(self) -> str:
+        from areal_cli.schedulers.slurm.script import supervisor_log
+
+        return supervisor_log(self.plan)
+
+    def _rank_nodes(self) -> dict[int, str]:
+        from areal_cli.registry import open_registry
+
+        try:
+            ranks = open_registry(self.rec.registry).ranks(
+                self.rec.experiment, self.rec.trial, include_dead=True
+            )
+        except (ArealError, OSError):
+            return {}
+        return {r.rank: r.node for r in ranks if r.marker == self.rec.marker and r.node}
+
+    def _trainer_failure(self, code: int) -> LaunchError:
+        log_dir = Path(self.plan.log_dir)
+        logs = sorted(str(p) for p in log_dir.glob("torchrun-*.log"))
+        rank, rank_code = root_cause(log_dir, logs)
+        if rank is None:
+            log = logs[0] if logs else self._supervisor_log()
+            return LaunchError(f"torchrun failed: {describe_exit(code)}",
+                               detail=tail_text(log), hint=f"full log: {log}")  # fmt: skip
+        node = self._rank_nodes().get(rank)
+        where = f" on node {node}" if node else ""
+        log = str(log_dir / f"rank-{rank}.log")
+        return LaunchError(
+            f"rank-{rank}{where} failed: {describe_exit(rank_code if rank_code is not None else code)}",
+            detail=tail_text(log),
+            hint=f"full log: {log}",
+        )
+
+    def _node_failure(self, info: cluster.JobInfo) -> LaunchError:
+        down = cluster.down_nodes(info.nodes) or info.nodes
+        ranks = self._rank_nodes()
+        lines = []
+        for n in down:
+            on = sorted(r for r, node in ranks.items() if node == n)
+            servers = [f"server-{i}" for i, r in self.ready.items() if r.get("node") == n]
+            what = [f"rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))}"] if on else []
+            lines.append(
+                f"node {n}" + (f" ({'; '.join(what + servers)})" if what or servers else "")
+            )
+        return LaunchError(
+            f"Slurm job {self.rec.job_id}: {', '.join(lines)} failed (Slurm: NODE_FAIL)",
+            detail="\n".join(
+                f"rank-{r} on {node}: "
+                + (logfiles.tail(Path(self.plan.log_dir) / f"rank-{r}.log", 1) or ["(no output)"])[
+                    -1
+                ]
+                for r, node in sorted(ranks.items())
+                if node in down
+            )
+            or None,
+            hint="`sinfo -R` says why the node is down; the job was not requeued (--no-requeue)",
+        )

@@ -1,0 +1,322 @@
+"""JobSpec → SlurmPlan: how many nodes, which replica or torchrun runs on which of them, with
+how many GPUs, and the batch script that does it. Checked against the partition before
+anything is submitted, so `--dry-run` shows exactly what would be queued.
+
+Placement:
+- servers: a replica needs t·p GPUs. Replicas fill a node's GPUs (--gpus-per-node, default
+  the partition's); a replica wider than a node spans t·p / gpus-per-node nodes as one
+  multi-node server. hf, the CPU reference server, runs one replica per node unless
+  --gpus-per-node packs more.
+- training: one torchrun per node, world / gpus-per-node nodes, rendezvous (c10d) on the
+  first node at a port chosen there.
+- both (hf:d1+fsdp:d2): a heterogeneous job, servers in component 0, trainers in 1.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from areal_cli import apikeys, backends, settings
+from areal_cli.errors import UsageError
+from areal_cli.launchers import torchrun
+from areal_cli.launchers.node import NODE_ADDR
+from areal_cli.launchers.replica import PORT_TOKEN
+from areal_cli.parallel import ParallelDims
+from areal_cli.registry import open_registry
+from areal_cli.schedulers.common import (
+    areal_overrides,
+    is_loopback,
+    new_marker,
+    resolve_api_key,
+    worker_env,
+)
+from areal_cli.schedulers.slurm import cluster
+from areal_cli.spec import JobSpec, Plan, ProcessPlan, ServerRole
+
+
+@dataclass
+class SlurmProcess(ProcessPlan):
+    """One job step: a server replica, or the torchrun of every training node."""
+
+    group: int = 0  # the heterogeneous job's component (0 when there is one)
+    node: int = 0  # the first node it runs on, within its component
+    nodes: int = 1  # how many nodes it spans (one task on each)
+    gpus_per_node: int = 0  # GPUs Slurm binds to it on each of its nodes
+    follower_args: list[str] = field(default_factory=list)  # nodes after the first add these
+
+    @property
+    def placement(self) -> str:
+        where = (
+            f"node {self.node}"
+            if self.nodes == 1
+            else f"nodes {self.node}-{self.node + self.nodes - 1}"
+        )
+        gpus = f"{self.gpus_per_node} GPU(s) per node" if self.gpus_per_node else "no GPUs"
+        return f"{where} of component {self.group}, {gpus} (bound by Slurm)"
+
+
+@dataclass
+class Component:
+    """One part of the allocation: what `#SBATCH` asks for (per node)."""
+
+    role: str  # "server" | "trainer"
+    nodes: int
+    tasks_per_node: int
+    gpus_per_node: int
+
+
+@dataclass
+class SlurmPlan(Plan):
+    script: str = ""  # the batch script sbatch gets
+    run_dir: str = ""  # the plan, the script, exit codes of its steps (on the shared filesystem)
+    job_name: str = ""
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None
+    slurm_args: list[str] = field(default_factory=list)
+    components: list[Component] = field(default_factory=list)
+    runner_python: str = ""  # runs the replica and torchrun runners on the nodes
+
+    @property
+    def nodes(self) -> int:
+        return sum(c.nodes for c in self.components)
+
+    def to_json(self, redact: bool = True) -> dict:
+        d = super().to_json(redact)
+        d["placement"] = {
+            f"{p.role}-{p.index}" if p.role == "server" else "torchrun": p.placement
+            for p in self.processes
+        }
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> SlurmPlan:
+        d = {k: v for k, v in d.items() if k != "placement"}
+        d["processes"] = [SlurmProcess(**p) for p in d.get("processes", [])]
+        d["components"] = [Component(**c) for c in d.get("components", [])]
+        return cls(**d)
+
+
+def slot(kind: str) -> str:
+    return "serve" if kind == "serve" else "train"
+
+
+def plan(spec: JobSpec, home: Path, registry_url: str, check_packages: bool = True) -> SlurmPlan:
+    opts = spec.scheduler_opts
+    cluster.require("sbatch")
+    part = cluster.partition(opts.partition)
+    part_gpus = part.gpus_per_node if part is not None else None
+    if opts.gpus_per_node and part is not None and opts.gpus_per_node > part.gpus_per_node:
+        raise UsageError(
+            f"--gpus-per-node {opts.gpus_per_node}: the nodes of partition {part.name} have "
+            f"{part.gpus_per_node} GPU(s) each",
+            hint=f"use --gpus-per-node {part.gpus_per_node} or less, or another --partition "
+            "(`sinfo -o '%P %G'` lists them)",
+        )
+    log_dir = settings.log_dir(home, spec.experiment, spec.trial)
+    registry = open_registry(registry_url)
+    marker = new_marker(spec.experiment, spec.trial)
+    run_dir = jobs_dir(home, spec.experiment, spec.trial) / f"{slot(spec.kind)}-{marker[-8:]}"
+    p = SlurmPlan(
+        experiment=spec.experiment,
+        trial=spec.trial,
+        kind=spec.kind,
+        log_dir=str(log_dir),
+        home=str(home),
+        registry=registry.url,
+        marker=marker,
+        alloc=spec.alloc,
+        health_timeout=spec.health_timeout,
+        scheduler="slurm",
+        registry_ttl=settings.registry_ttl(),
+        run_dir=str(run_dir),
+        job_name=f"areal-{spec.experiment}-{spec.trial}-{slot(spec.kind)}",
+        partition=opts.partition,
+        account=opts.account,
+        time=opts.time,
+        slurm_args=list(opts.extra_args),
+        runner_python=sys.executable,
+    )
+    if spec.servers:
+        _plan_servers(p, spec, part_gpus, check_packages)
+    if spec.trainer:
+        _plan_trainer(p, spec, part_gpus, registry)
+    if part is not None and p.nodes > len(part.nodes):
+        raise UsageError(
+            f"the job needs {p.nodes} node(s) ("
+            + " + ".join(f"{c.nodes} for the {c.role}s" for c in p.components)
+            + f"), partition {part.name} has {len(part.nodes)}",
+            hint="raise --gpus-per-node to pack more on a node, or lower d/t",
+        )
+    from areal_cli.schedulers.slurm.script import render
+
+    p.script = render(p)
+    return p
+
+
+def jobs_dir(home: Path, experiment: str, trial: str) -> Path:
+    """Where the Slurm scheduler keeps a trial's records and submissions."""
+    return home / "slurm" / settings.user() / experiment / trial
+
+
+def _plan_servers(p: SlurmPlan, spec: JobSpec, part_gpus: int | None, check_packages) -> None:
+    role = spec.servers
+    backend = backends.get(role.backend)
+    # On a cluster the servers must be reachable from other nodes: the default loopback bind
+    # becomes the node's own address, found by the runner on its node.
+    if is_loopback(role.host):
+        role = replace(role, host=NODE_ADDR)
+    backend.check_bind(role)
+    gpr = role.gpus_per_replica
+    if role.backend == "hf" and gpr != 1:
+        raise UsageError(
+            "the hf backend runs one replica per GPU (t1p1): it cannot span GPUs or nodes",
+            hint="use d to add replicas, e.g. --alloc hf:d2",
+        )
+    if backend.needs_gpu and part_gpus == 0:
+        raise UsageError(
+            f"{role.backend} needs GPUs and the partition's nodes have none",
+            hint="pick a partition with GPUs (--partition; `sinfo -o '%P %G'`), or --backend hf",
+        )
+    if check_packages:
+        backends.check_installed(backend, role.python)
+    opts = spec.scheduler_opts
+    per_node = opts.gpus_per_node or (1 if role.backend == "hf" else part_gpus or gpr)
+    with_gpus = part_gpus != 0
+    if gpr > per_node:
+        if gpr % per_node:
+            raise UsageError(
+                f"a replica of {gpr} GPUs (t·p) does not split over nodes of {per_node} GPUs",
+                hint="make t·p a multiple of --gpus-per-node",
+            )
+        span, per_node_replicas = gpr // per_node, 1
+    else:
+        span, per_node_replicas = 1, per_node // gpr
+    nodes = role.replicas * span if span > 1 else -(-role.replicas // per_node_replicas)
+    gres = (
+        (per_node if span > 1 else min(role.replicas, per_node_replicas) * gpr) if with_gpus else 0
+    )
+    group = len(p.components)
+    p.components.append(Component("server", nodes, per_node_replicas, gres))
+    key = resolve_api_key(spec.api_key, None if role.host == NODE_ADDR else role.host)
+    if key:
+        p.api_key = key
+        p.api_key_file = str(apikeys.key_file(Path(p.home), spec.experiment, spec.trial))
+    for i in range(role.replicas):
+        argv = backend.argv(role, PORT_TOKEN, key, on_gpu=with_gpus)
+        follower: list[str] = []
+        if role.backend == "hf":
+            argv = _device_auto(argv)
+        if span > 1:
+            argv, follower = _multi_node(role, argv, span)
+        p.processes.append(
+            SlurmProcess(
+                role="server",
+                index=i,
+                argv=argv,
+                # The API key goes in the environment (the plan file is private), never in argv.
+                env={"PYTHONUNBUFFERED": "1", **backend.env(role, key)},
+                gpus=[],
+                log_path=str(Path(p.log_dir) / f"server-{i}.log"),
+                host=role.host,
+                port=None,
+                backend=role.backend,
+                health_path=backend.health_path,
+                group=group,
+                node=i * span if span > 1 else i // per_node_replicas,
+                nodes=span,
+                gpus_per_node=(per_node if span > 1 else gpr) if with_gpus else 0,
+                follower_args=follower,
+            )
+        )
+    p.model_path = role.model_path + (f"@{role.revision}" if role.revision else "")
+    p.tp = role.tp
+
+
+def _device_auto(argv: list[str]) -> list[str]:
+    """hf: whether CUDA works is known on the node only (Slurm binds the GPUs there)."""
+    out = list(argv)
+    if "--device" in out:
+        out[out.index("--device") + 1] = "auto"
+    return out
+
+
+def _multi_node(role: ServerRole, argv: list[str], span: int) -> tuple[list[str], list[str]]:
+    """One server over `span` nodes. The runners meet at an address the first node picks
+    ({dist_addr}); {node_rank} is each node's place. SGLang 0.5.23: --dist-init-addr --nnodes
+    --node-rank on every node (srt/arg_groups/fields/parallel.py:32-44). vLLM 0.33: --nnodes
+    --node-rank --master-addr --master-port, and --headless on the nodes after the first
+    (engine/arg_utils.py:1175-1178, entrypoints/cli/serve.py:69-76)."""
+    if role.backend == "sglang":
+        extra = ["--dist-init-addr", "{dist_addr}", "--nnodes", str(span)]
+        return argv + extra + ["--node-rank", "{node_rank}"], []
+    if role.backend == "vllm":
+        extra = ["--nnodes", str(span), "--node-rank", "{node_rank}"]
+        extra += ["--master-addr", "{dist_host}", "--master-port", "{dist_port}"]
+        return argv + extra, ["--headless"]
+    raise UsageError(f"{role.backend} cannot run one server over several nodes")
+
+
+def _plan_trainer(p: SlurmPlan, spec: JobSpec, part_gpus: int | None, registry) -> None:
+    t = spec.trainer
+    world = ParallelDims.from_alloc(t.alloc).world_size
+    per_node = spec.scheduler_opts.gpus_per_node or part_gpus or world
+    if world <= per_node:
+        nnodes, nproc = 1, world
+    elif world % per_node:
+        raise UsageError(
+            f"{world} training ranks do not split over nodes of {per_node} GPUs",
+            hint="make the fsdp world size a multiple of --gpus-per-node",
+        )
+    else:
+        nnodes, nproc = world // per_node, per_node
+    group = len(p.components)
+    p.components.append(Component("trainer", nnodes, 1, nproc if part_gpus != 0 else 0))
+    env_extra: dict[str, str] = {}
+    if spec.servers:
+        # Servers of the same job: their addresses exist only once they run. Rank 0 finds
+        # them in the registry, as `areal train` does, and tells the other ranks.
+        addrs, backend, key = [], spec.servers.backend, None
+        env_extra = {
+            "AREAL_WAIT_SERVERS": f"{spec.health_timeout:g}",
+            "AREAL_MIN_SERVERS": str(spec.servers.replicas),
+        }
+    else:
+        addrs, backend = list(spec.external_servers), spec.external_backend or "sglang"
+        key = spec.external_api_key
+        p.api_key = key  # only so the plan's rendering redacts it
+    script_args = list(t.script_args)
+    if t.areal_overrides:
+        n = spec.servers.replicas if spec.servers else len(addrs)
+        script_args += areal_overrides(spec, backend, n, registry)
+    if nnodes == 1:
+        rdzv = torchrun.Rendezvous()
+    else:
+        rdzv = torchrun.Rendezvous(nnodes, endpoint=torchrun.RDZV_TOKEN, backend="c10d")
+    script = t.script if t.script == "-m" else str(Path(t.script).resolve())
+    argv = torchrun.argv(
+        t.python or sys.executable,
+        nproc,
+        [script, *script_args],
+        rendezvous=rdzv,
+        log_dir=Path(p.log_dir) / "torchrun",
+    )
+    env = worker_env(spec, t, p, addrs, backend, key, visible=None)
+    env.update(env_extra)
+    env["AREAL_SCHEDULER_NAME"] = "slurm"
+    p.processes.append(
+        SlurmProcess(
+            role="trainer",
+            index=0,
+            argv=argv,
+            env=env,
+            gpus=[],
+            log_path=str(Path(p.log_dir) / "torchrun-{node}.log"),
+            group=group,
+            node=0,
+            nodes=nnodes,
+            gpus_per_node=nproc if part_gpus != 0 else 0,
+        )
+    )

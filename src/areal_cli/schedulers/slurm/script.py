@@ -1,0 +1,131 @@
+"""The batch script of a job: one `#SBATCH` block per component (a heterogeneous job when servers
+and trainers are submitted together), then one `srun` step per server replica and one for the
+torchrun of every training node. It is what `--dry-run` prints, and nothing secret is in it:
+the API key stays in the private plan and environment files the runners read.
+
+Each step leaves its exit code in the run folder (`server-0.exit`, `torchrun.exit`), where
+`areal` reads the root cause of a failure.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from areal_cli.schedulers.slurm.planner import SlurmPlan, SlurmProcess
+
+PLAN_FILE = "plan.json"
+TRAINER_ENV_FILE = "trainer.env"
+RENDEZVOUS_FILE = "rendezvous"
+
+
+def supervisor_log(plan: SlurmPlan) -> str:
+    """The batch script's own output: where `areal logs --role supervisor` finds it."""
+    slot = "serve" if plan.kind == "serve" else "train"
+    return f"{plan.log_dir}/supervisor-{slot}.log"
+
+
+def render(plan: SlurmPlan) -> str:
+    servers = plan.servers
+    trainers = plan.trainers
+    what = []
+    if servers:
+        what.append(f"{len(servers)} {servers[0].backend} server(s)")
+    if trainers:
+        what.append(f"torchrun on {trainers[0].nodes} node(s)")
+    lines = [
+        "#!/bin/bash",
+        f"# areal {plan.kind} {plan.experiment}/{plan.trial}: {' + '.join(what)}.",
+        "# Written by areal and submitted with sbatch; `areal stop "
+        f"{plan.experiment}/{plan.trial}` cancels it.",
+        f"#SBATCH --job-name={plan.job_name}",
+        f"#SBATCH --output={supervisor_log(plan)}",
+        "#SBATCH --no-requeue",
+    ]
+    het = len(plan.components) > 1
+    for i, comp in enumerate(plan.components):
+        if i:
+            lines.append("#SBATCH hetjob")
+        for opt, value in (
+            ("partition", plan.partition),
+            ("account", plan.account),
+            ("time", plan.time),
+        ):
+            if value:
+                lines.append(f"#SBATCH --{opt}={value}")
+        lines.append(f"#SBATCH --nodes={comp.nodes}")
+        lines.append(f"#SBATCH --ntasks-per-node={comp.tasks_per_node}")
+        if comp.gpus_per_node:
+            lines.append(f"#SBATCH --gres=gpu:{comp.gpus_per_node}")
+        lines += [f"#SBATCH {arg}" for arg in plan.slurm_args]
+    lines += [
+        "",
+        "shopt -s nullglob",
+        f"export AREAL_JOB_MARKER={shlex.quote(plan.marker)}",
+        "export AREAL_SCHEDULER_NAME=slurm",
+        f"RUN={shlex.quote(plan.run_dir)}",
+        f"PY={shlex.quote(plan.runner_python)}",
+        "",
+        "# Each step leaves its exit code in $RUN/<label>.exit, where areal finds the root cause.",
+        'step() { local label=$1; shift; "$@"; echo $? > "$RUN/$label.exit"; }',
+        "",
+    ]
+    for p in servers:
+        lines += _step(
+            f"server-{p.index}",
+            _srun(p, het, exact=True),
+            ["$PY", "-m", "areal_cli.launchers.replica", f"$RUN/{PLAN_FILE}", "--index", str(p.index)],
+        )  # fmt: skip
+    for p in trainers:
+        runner = ["$PY", "-m", "areal_cli.launchers.torchrun", "--log-dir", plan.log_dir]
+        runner += ["--own-log", "torchrun-{node}.log", "--env-file", f"$RUN/{TRAINER_ENV_FILE}"]
+        if p.nodes > 1:
+            runner += ["--rendezvous-file", f"$RUN/{RENDEZVOUS_FILE}"]
+        lines += _step("torchrun", _srun(p, het, exact=False), [*runner, "--", *p.argv])
+        lines += [
+            "trainer=$!",
+            "",
+            "# The job ends with training; Slurm then stops the servers' steps.",
+            'wait "$trainer"',
+            'code=$(cat "$RUN/torchrun.exit" 2>/dev/null || echo 1)',
+        ]
+    if not trainers:
+        lines += [
+            "# Serving ends when every replica has: the first failure is the job's code.",
+            "wait",
+            "code=0",
+            'for f in "$RUN"/server-*.exit; do c=$(<"$f"); [ "$c" = 0 ] || { code=$c; break; }; done',
+        ]
+    lines += ['echo "$code" > "$RUN/job.exit"', 'exit "$code"', ""]
+    return "\n".join(lines)
+
+
+def _srun(p: SlurmProcess, het: bool, exact: bool) -> list[str]:
+    cmd = ["srun"]
+    if het:
+        cmd.append(f"--het-group={p.group}")
+    cmd += [f"--nodes={p.nodes}", f"--ntasks={p.nodes}", "--ntasks-per-node=1"]
+    cmd.append(f"--relative={p.node}")
+    if p.gpus_per_node:
+        cmd.append(f"--gres=gpu:{p.gpus_per_node}")
+    if exact:
+        # Several replicas share a node: each step gets only its own CPUs and GPUs.
+        cmd.append("--exact")
+    else:
+        # One node's torchrun failing ends the others (root cause first, no silent hang).
+        cmd.append("--kill-on-bad-exit=1")
+    return cmd
+
+
+def _step(label: str, srun: list[str], command: list[str]) -> list[str]:
+    def q(a: str) -> str:
+        # $RUN and $PY expand in the script; everything else is literal.
+        if a.startswith(("$RUN", "$PY")):
+            return f'"{a}"'
+        return shlex.quote(a)
+
+    return [
+        f"step {label} {' '.join(q(a) for a in srun)} \\",
+        f"    {' '.join(q(a) for a in command)} &",
+    ]
