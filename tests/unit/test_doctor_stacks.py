@@ -74,3 +74,22 @@ def test_error_lines_and_kinds():
 def test_pyspy_is_found_next_to_the_interpreter():
     exe = stacks.find_pyspy()
     assert exe is not None and exe.endswith("py-spy")
+
+
+def test_a_thread_did_not_run_when_its_counters_stand_still():
+    before = {1: (500, 10), 2: (900, 7)}
+    assert stacks.did_not_run(before, dict(before), frozenset())
+    assert not stacks.did_not_run(before, {1: (501, 10), 2: (900, 7)}, frozenset())
+    assert not stacks.did_not_run(before, {1: (500, 11), 2: (900, 7)}, frozenset())
+    assert not stacks.did_not_run(before, {1: (500, 10)}, frozenset())  # a thread ended
+
+
+def test_a_resume_counted_ahead_is_not_taken_for_activity():
+    # Thread 1 was still to resume its wait when the dump ended: its run was counted ahead.
+    before = {1: (500, 10), 2: (900, 7)}
+    resumed = {1: (530, 10), 2: (900, 7)}  # the resume took CPU time, nothing else ran
+    already = {1: (500, 9), 2: (900, 7)}  # the resume had been counted before the reading
+    again = {1: (560, 11), 2: (900, 7)}  # it ran once more: its own activity
+    assert stacks.did_not_run(before, resumed, frozenset({1}))
+    assert stacks.did_not_run(before, already, frozenset({1}))
+    assert not stacks.did_not_run(before, again, frozenset({1}))

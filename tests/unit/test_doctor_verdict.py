@@ -263,6 +263,17 @@ def test_some_ranks_move_while_others_wait_is_progressing():
     assert a.verdict.confidence == "high"
 
 
+def test_ranks_that_all_compute_are_no_hang_whether_or_not_their_stacks_move():
+    a = analyze(
+        samples(
+            [spinning(1, 30, "forward"), spinning(1, 40, "backward")],
+            [spinning(2, 30), spinning(2, 31)],
+        )
+    )
+    assert a.verdict.kind == "no_hang"
+    assert [r.progress for r in a.ranks] == ["slow", "stuck"]
+
+
 def test_a_rank_that_exits_between_samples_is_missing_and_says_so():
     gone = Dump(pid=9, error="the process exited", error_kind="gone")
     a = analyze(samples([waiting(8), ran(waiting(8), 0)], [waiting(9), gone]))

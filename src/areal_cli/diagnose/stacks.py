@@ -93,6 +93,9 @@ class Dump:
     # Times each thread was scheduled in since the previous sample, not counting the dumps;
     # None on the first sample or where unknown.
     ran: dict[int, int] | None = None
+    # Threads whose resume after the dump was counted ahead in `counters` (see
+    # counters_after_dump).
+    pending: frozenset[int] = frozenset()
     # No Python thread ran since the previous sample, so that sample's stacks were kept.
     reused: bool = False
 
@@ -290,13 +293,39 @@ def _sample(
             for tid, (_, runs) in prev.counters.items()
             if tid in now
         }
-        if len(now) == len(prev.counters) and now == prev.counters:
-            return replace(prev, ran=ran, reused=True, taken_at=time.time(), elapsed_s=0.0)
+        if did_not_run(prev.counters, now, prev.pending):
+            return replace(
+                prev,
+                counters=now,
+                pending=frozenset(),
+                ran=ran,
+                reused=True,
+                taken_at=time.time(),
+                elapsed_s=0.0,
+            )
     d = dump(pid, pyspy=pyspy, native=native, show_locals=show_locals, timeout=timeout)
     if d.ok:
-        d.counters = counters_after_dump(pid, d.threads)
+        d.counters, d.pending = counters_after_dump(pid, d.threads)
         d.ran = ran
     return d
+
+
+def did_not_run(before: Counters, now: Counters, pending: frozenset[int]) -> bool:
+    """No thread was scheduled in between the two readings.
+
+    For a thread whose resume was counted ahead only the count can be compared (the resume
+    itself takes CPU time), and one less means the resume had already been counted.
+    """
+    if now.keys() != before.keys():
+        return False
+    for tid, (cpu, runs) in before.items():
+        now_cpu, now_runs = now[tid]
+        if tid in pending:
+            if now_runs not in (runs, runs - 1):
+                return False
+        elif (now_cpu, now_runs) != (cpu, runs):
+            return False
+    return True
 
 
 def default_workers() -> int:
@@ -332,8 +361,9 @@ def read_counters(pid: int, tids: Iterable[int]) -> Counters:
     return out
 
 
-def counters_after_dump(pid: int, threads: list[ThreadStack]) -> Counters:
-    """The counters as they stand once the dump's own doing is over.
+def counters_after_dump(pid: int, threads: list[ThreadStack]) -> tuple[Counters, frozenset[int]]:
+    """The counters as they stand once the dump's own doing is over, and the threads whose
+    resume was counted ahead.
 
     Let go by py-spy, a thread it found asleep is scheduled in once more to resume its wait;
     until that has happened (the thread is not asleep yet) the run is counted ahead, so that
@@ -345,9 +375,10 @@ def counters_after_dump(pid: int, threads: list[ThreadStack]) -> Counters:
         for t in threads
         if t.os_thread_id and not t.active and _thread_state(pid, t.os_thread_id) not in "SDI"
     }
-    return {
+    counters = {
         tid: (cpu, runs + (tid in pending)) for tid, (cpu, runs) in read_counters(pid, tids).items()
     }
+    return counters, frozenset(pending)
 
 
 def _thread_state(pid: int, tid: int) -> str:

@@ -397,8 +397,8 @@ def decide(
                 f"every rank moved across {samples} samples: the job is making progress",
                 evidence=[_line(r) for r in present],
             )
-        if moving:
-            still = [r for r in present if not r.moved]
+        still = [r for r in present if not r.moved]
+        if moving and any(r.state in ("collective", "idle") for r in still):
             # Ranks standing in a collective wait for the ones that move: name those.
             odd = (
                 [r.rank for r in moving]
