@@ -211,7 +211,10 @@ def stop(
         console.out.print("nothing to stop")
     for r in results:
         verb = "stopped" if r["was_running"] else "was not running; cleaned up"
-        console.out.print(f"[green]{r['name']}[/] {verb} ({r['killed']} leftover process(es) killed, "
+        what = f"{r['killed']} leftover process(es) killed"
+        if r.get("cancelled"):
+            what = f"{r['cancelled']} cancelled"
+        console.out.print(f"[green]{r['name']}[/] {verb} ({what}, "
                           f"{r['deregistered']} registry entries removed)")  # fmt: skip
 
 

@@ -114,6 +114,7 @@ class StopResult:
     was_running: bool
     killed: int = 0  # processes signalled, or Slurm jobs cancelled
     deregistered: int = 0
+    cancelled: str | None = None  # the cluster job cancelled ("Slurm job 123")
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -149,6 +149,8 @@ class SlurmScheduler(Scheduler):
                 from areal_cli import discovery
 
                 health = discovery.healthy([e.addr for e in entries], timeout=1.0)
+            order = _replica_order(rec)
+            entries.sort(key=lambda e: order.get(e.addr, len(order)))
             servers = [
                 ServerStatus(addr=e.addr, healthy=bool(health.get(e.addr)), pid=e.pid,
                              gpus=e.gpus, node=e.node)
@@ -241,4 +243,19 @@ class SlurmScheduler(Scheduler):
         if was_running:
             info = job.cancel(rec, self.home, timeout, job.STOPPED_BY_AREAL)
         deregistered = job.finish(rec, self.home, info)
-        return StopResult(rec.name, was_running, int(was_running), deregistered)
+        cancelled = f"Slurm job {rec.job_id}" if was_running else None
+        return StopResult(rec.name, was_running, int(was_running), deregistered, cancelled)
+
+
+def _replica_order(rec: records.SlurmRecord) -> dict[str, int]:
+    """addr → replica index, from the files the replica runners leave in the run folder (the
+    registry does not know which replica a server is; its log file does: server-N.log)."""
+    import json
+
+    out = {}
+    for path in Path(rec.run_dir).glob("server-*.ready"):
+        try:
+            out[json.loads(path.read_text())["addr"]] = int(path.stem.split("-")[1])
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+    return out

@@ -82,7 +82,7 @@ def render(plan: SlurmPlan) -> str:
         runner += ["--own-log", "torchrun-{node}.log", "--env-file", f"$RUN/{TRAINER_ENV_FILE}"]
         if p.nodes > 1:
             runner += ["--rendezvous-file", f"$RUN/{RENDEZVOUS_FILE}"]
-        lines += _step("torchrun", _srun(p, het, exact=False), [*runner, "--", *p.argv])
+        lines += _step("torchrun", _srun(p, het, exact=False), runner, p.argv)
         lines += [
             "trainer=$!",
             "",
@@ -92,6 +92,7 @@ def render(plan: SlurmPlan) -> str:
         ]
     if not trainers:
         lines += [
+            "",
             "# Serving ends when every replica has: the first failure is the job's code.",
             "wait",
             "code=0",
@@ -118,14 +119,16 @@ def _srun(p: SlurmProcess, het: bool, exact: bool) -> list[str]:
     return cmd
 
 
-def _step(label: str, srun: list[str], command: list[str]) -> list[str]:
-    def q(a: str) -> str:
-        # $RUN and $PY expand in the script; everything else is literal.
-        if a.startswith(("$RUN", "$PY")):
-            return f'"{a}"'
-        return shlex.quote(a)
+def _step(label: str, srun: list[str], command: list[str], after: list[str] = ()) -> list[str]:
+    """`step LABEL srun ... command [-- after] &`, one part per line."""
 
-    return [
-        f"step {label} {' '.join(q(a) for a in srun)} \\",
-        f"    {' '.join(q(a) for a in command)} &",
-    ]
+    def q(args) -> str:
+        # $RUN and $PY expand in the script; everything else is literal.
+        return " ".join(f'"{a}"' if a.startswith(("$RUN", "$PY")) else shlex.quote(a) for a in args)
+
+    lines = [f"step {label} {q(srun)} \\", f"    {q(command)}"]
+    if after:
+        lines[-1] += " -- \\"
+        lines.append(f"    {q(after)}")
+    lines[-1] += " &"
+    return lines
