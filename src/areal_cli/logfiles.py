@@ -7,6 +7,7 @@ terminal, `areal logs -f`) is reading those files as they grow.
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -73,6 +74,16 @@ class Follower:
         self.log_dir, self.role, self.index, self.roles = Path(log_dir), role, index, roles
         self.history = history
         self.offsets: dict[str, int] = {}
+        self._known: dict[str, tuple[int, int]] = {}  # label → (inode, size) to skip
+
+    def skip_existing(self) -> None:
+        """Start every file that exists now at its end, unless it is replaced later."""
+        for label, path in select_logs(self.log_dir, self.role, self.index).items():
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            self._known[label] = (st.st_ino, st.st_size)
 
     def poll(self) -> Iterator[tuple[str, str]]:
         for label, path in select_logs(self.log_dir, self.role, self.index).items():
@@ -84,10 +95,14 @@ class Follower:
 
     def _start(self, label: str, path: Path) -> Iterator[tuple[str, str]]:
         try:
-            size = path.stat().st_size
+            st = path.stat()
         except OSError:
             return
-        self.offsets[label] = 0 if self.history is None else size
+        known = self._known.get(label)
+        if known is not None and known[0] == st.st_ino:
+            self.offsets[label] = known[1]  # the same file as before: only what comes after
+            return
+        self.offsets[label] = 0 if self.history is None else st.st_size
         if self.history:
             for line in tail(path, self.history, max_bytes=max(64 * 1024, self.history * 512)):
                 yield label, line
@@ -118,11 +133,14 @@ def follow_in_background(
     log_dir: Path,
     on_line: Callable[[str, str], None],
     stop: threading.Event,
+    roles: tuple[str, ...] = ("server", "rank", "torchrun"),
     interval: float = 0.05,
 ) -> threading.Thread:
-    """Feed every new line of the folder's server, rank and torchrun logs to `on_line` until
-    `stop` is set (then once more, so the last lines are not lost)."""
-    follower = Follower(log_dir, history=None, roles=("server", "rank", "torchrun"))
+    """Feed the lines a new run writes to the folder's logs of `roles` to `on_line` until
+    `stop` is set (then once more, so the last lines are not lost). What the files held
+    before is not shown: a run writes its logs as new files (see fresh_log)."""
+    follower = Follower(log_dir, history=None, roles=roles)
+    follower.skip_existing()
 
     def loop() -> None:
         while True:
@@ -135,3 +153,13 @@ def follow_in_background(
     t = threading.Thread(target=loop, name="log-follower", daemon=True)
     t.start()
     return t
+
+
+def fresh_log(path: str | Path) -> int:
+    """Open a run's log as a new file (a new inode, never the previous run's truncated), so
+    followers tell the new run's lines from the old ones. Returns an fd for appending."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from areal_cli.health import probe_health
 from areal_cli.launchers import node
+from areal_cli.logfiles import fresh_log
 
 EXIT_USAGE = 2
 EXIT_TIMEOUT = 3
@@ -83,9 +84,7 @@ class Replica:
             argv += list(p.get("follower_args") or ())
         Path(p["log_path"]).parent.mkdir(parents=True, exist_ok=True)
         # O_APPEND: our lines and the server's interleave whole, never overwrite each other.
-        self._log = os.open(
-            p["log_path"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644
-        )
+        self._log = fresh_log(p["log_path"])
         env = {**os.environ, **p["env"]}
         if p["env"].get("CUDA_VISIBLE_DEVICES") == "" and "SLURM_JOB_ID" not in os.environ:
             env["CUDA_VISIBLE_DEVICES"] = ""

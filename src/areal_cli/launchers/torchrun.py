@@ -121,6 +121,8 @@ def run_node(
     import signal
     import subprocess
 
+    from areal_cli.logfiles import fresh_log
+
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     files: dict[str, int] = {}
@@ -128,7 +130,7 @@ def run_node(
     def fd(name: str) -> int:
         if name not in files:
             # A new run of the job starts its logs afresh.
-            files[name] = os.open(log_dir / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            files[name] = fresh_log(log_dir / name)
         return files[name]
 
     fd(own_log)
