@@ -392,6 +392,26 @@ def test_a_replica_wider_than_a_node_is_one_multi_node_server(slurm_env, areal_e
         )
 
 
+def test_job_yaml_carries_the_slurm_options(slurm_env, areal_env, tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "scheduler: slurm\nbackend: hf\nmodel: org/tiny\nalloc: hf:d2\npartition: debug\n"
+        "gpus_per_node: 2\ntime: '1:00:00'\nslurm_arg: ['--mem=1G']\n"
+    )
+    res = areal("serve", "--config", str(job), "--dry-run", "--json")
+    assert res.returncode == 0, res.stderr
+    script = json.loads(res.stdout)["script"]
+    for line in (
+        "#SBATCH --partition=debug",
+        "#SBATCH --time=1:00:00",
+        "#SBATCH --mem=1G",
+        "#SBATCH --nodes=1",
+        "#SBATCH --ntasks-per-node=2",
+        "#SBATCH --gres=gpu:2",
+    ):
+        assert line in script.splitlines(), (line, script)  # fmt: skip
+
+
 def test_doctor_check_reports_the_cluster(slurm_env, areal_env):
     res = areal("doctor", "check", "--scheduler", "slurm", "--json", timeout=120)
     rows = {r["name"]: r for r in json.loads(res.stdout)["rows"]}
@@ -399,3 +419,17 @@ def test_doctor_check_reports_the_cluster(slurm_env, areal_env):
     assert rows["partition debug"]["status"] == "pass"
     assert "4 GPU(s)" in rows["partition debug"]["detail"]
     assert rows["shared filesystem"]["status"] == "pass", rows["shared filesystem"]
+
+
+def test_squeue_and_sinfo_fields_are_read_across_slurm_versions():
+    """What cluster.py reads: 22.05's exit code is a wait status, 23.x and later a dict; gres
+    strings with and without a type and socket binding."""
+    from areal_cli.schedulers.slurm import cluster
+
+    assert cluster._exit(768) == 3 and cluster._exit(15) == 143 and cluster._exit(0) == 0
+    assert cluster._exit({"return_code": {"number": 5}, "signal": {"id": {"number": 0}}}) == 5
+    assert cluster._exit({"return_code": 0, "signal": {"id": {"number": 9}}}) == 137
+    assert cluster._state(["CANCELLED", "COMPLETING"]) == "CANCELLED"
+    assert cluster.gpu_count("gpu:4") == 4 and cluster.gpu_count("gpu:a100:8(S:0-1)") == 8
+    assert cluster.gpu_count("gpu:2,shard:8") == 2 and cluster.gpu_count("(null)") == 0
+    assert cluster.expand("n1,n2") == ["n1", "n2"] and cluster.expand("") == []

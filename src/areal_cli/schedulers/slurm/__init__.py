@@ -34,7 +34,6 @@ from areal_cli.schedulers.api import (
     ServerStatus,
     StopResult,
 )
-from areal_cli.schedulers.slurm import records
 
 
 class SlurmScheduler(Scheduler):
@@ -98,9 +97,13 @@ class SlurmScheduler(Scheduler):
     # -- what runs ------------------------------------------------------------------------
 
     def find(self, experiment: str, trial: str, kind: str | None = None) -> list[Handle]:
+        from areal_cli.schedulers.slurm import records
+
         return [self._handle(r) for r in records.load(self.home, experiment, trial, kind)]
 
     def describe(self, handle: Handle) -> JobStatus | None:
+        from areal_cli.schedulers.slurm import records
+
         recs = records.load(self.home, handle.experiment, handle.trial, handle.kind)
         recs = [r for r in recs if handle.job_id in (None, r.job_id)]
         if not recs:
@@ -108,12 +111,16 @@ class SlurmScheduler(Scheduler):
         return self._statuses(recs[:1], include_ended=True)[0]
 
     def list(self, include_ended: bool = False) -> list[JobStatus]:
+        if not (self.home / "slurm").is_dir():
+            return []  # Slurm never used from this home: nothing to import, nothing to ask
+        from areal_cli.schedulers.slurm import records
+
         recs = records.all_records(self.home)
         if not recs:
-            return []  # no Slurm command when Slurm was never used from this home
+            return []
         return self._statuses(recs, include_ended)
 
-    def _statuses(self, recs: list[records.SlurmRecord], include_ended: bool) -> list[JobStatus]:
+    def _statuses(self, recs: list, include_ended: bool) -> list[JobStatus]:
         from areal_cli.errors import ArealError
         from areal_cli.schedulers.slurm import job
 
@@ -129,7 +136,7 @@ class SlurmScheduler(Scheduler):
         rows = [r for r in recs if include_ended or r.live]
         return [self._status(r) for r in rows]
 
-    def _status(self, rec: records.SlurmRecord) -> JobStatus:
+    def _status(self, rec) -> JobStatus:
         servers: list[ServerStatus] = []
         ranks_alive = world = None
         state = rec.state
@@ -180,10 +187,12 @@ class SlurmScheduler(Scheduler):
             registry=rec.registry,
         )
 
-    def _handle(self, rec: records.SlurmRecord) -> Handle:
+    def _handle(self, rec) -> Handle:
         return Handle(self.name, rec.experiment, rec.trial, rec.kind, rec.job_id)
 
-    def _record(self, handle: Handle) -> records.SlurmRecord:
+    def _record(self, handle: Handle):
+        from areal_cli.schedulers.slurm import records
+
         recs = records.load(self.home, handle.experiment, handle.trial, handle.kind)
         recs = [r for r in recs if handle.job_id in (None, r.job_id)]
         if not recs:
@@ -247,7 +256,7 @@ class SlurmScheduler(Scheduler):
         return StopResult(rec.name, was_running, int(was_running), deregistered, cancelled)
 
 
-def _replica_order(rec: records.SlurmRecord) -> dict[str, int]:
+def _replica_order(rec) -> dict[str, int]:
     """addr → replica index, from the files the replica runners leave in the run folder (the
     registry does not know which replica a server is; its log file does: server-N.log)."""
     import json

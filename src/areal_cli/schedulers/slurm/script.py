@@ -111,12 +111,22 @@ def _srun(p: SlurmProcess, het: bool, exact: bool) -> list[str]:
     if p.gpus_per_node:
         cmd.append(f"--gres=gpu:{p.gpus_per_node}")
     if exact:
-        # Several replicas share a node: each step gets only its own CPUs and GPUs.
-        cmd.append("--exact")
+        # Several replicas share a node: each step gets only its own CPUs and GPUs; the
+        # CPUs per task the job asked for (--slurm-arg=--cpus-per-task=N), which srun does
+        # not take from sbatch by itself.
+        cmd += ["--exact", "${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK}"]
     else:
         # One node's torchrun failing ends the others (root cause first, no silent hang).
         cmd.append("--kill-on-bad-exit=1")
     return cmd
+
+
+def _quote(a: str) -> str:
+    if a.startswith(("$RUN", "$PY")):
+        return f'"{a}"'  # expands in the script, one word
+    if a.startswith("${"):
+        return a  # expands to a flag, or to nothing
+    return shlex.quote(a)
 
 
 def _step(label: str, srun: list[str], command: list[str], after: list[str] = ()) -> list[str]:
@@ -124,7 +134,7 @@ def _step(label: str, srun: list[str], command: list[str], after: list[str] = ()
 
     def q(args) -> str:
         # $RUN and $PY expand in the script; everything else is literal.
-        return " ".join(f'"{a}"' if a.startswith(("$RUN", "$PY")) else shlex.quote(a) for a in args)
+        return " ".join(_quote(a) for a in args)
 
     lines = [f"step {label} {q(srun)} \\", f"    {q(command)}"]
     if after:
