@@ -253,6 +253,8 @@ def test_doctor_hang_finds_every_rank_on_every_node_and_names_the_odd_one(slurm_
         assert proc.returncode == 1, err[-2000:]
         assert "cancelled" in err and "Traceback" not in err
         assert_nothing_left(slurm_env, home, registry, job)
+        rows = json.loads(areal("ps", "--all", "--json", check=0).stdout)
+        assert [r["state"] for r in rows if r["job_id"] == job] == ["cancelled"]
     finally:
         if proc.poll() is None:
             proc.kill()
