@@ -182,9 +182,17 @@ def test_train_runs_grpo_across_both_nodes_and_the_reward_rises(served):
 
 
 def test_stop_leaves_no_process_no_slurm_job_and_no_registry_entry(served):
+    follow = subprocess.Popen(
+        [AREAL, "logs", "default/trial0", "-f", "--role", "server"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, **served.env},
+    )  # fmt: skip
     res = served.areal("stop", "default/trial0", "--json", check=0)
     (result,) = json.loads(res.stdout)
-    assert result["was_running"]
+    assert result["was_running"] and result["cancelled"] == f"Slurm job {served.job_id}"
+    # `areal logs -f` follows the files until the job has ended.
+    out, _ = follow.communicate(timeout=30)
+    assert follow.returncode == 0 and "[server-1]" in out
     assert_nothing_left(served.cluster, served.home, served.registry, served.job_id)
     rows = json.loads(served.areal("ps", "--all", "--json", check=0).stdout)
     assert {r["state"] for r in rows if r["kind"] == "serve"} == {"stopped"}

@@ -154,6 +154,11 @@ def refuse_if_running(home: Path, plan: SlurmPlan) -> None:
 def refresh(recs: list[SlurmRecord], home: Path) -> None:
     """Bring live records up to date with squeue (one call for all); a job that ended since is
     finished: its outcome recorded, its registry entries gone."""
+    for rec in recs:
+        # Another areal (a stop, a follower) may have written it since it was read.
+        fresh = records.read(records.path(home, rec.experiment, rec.trial, rec.kind))
+        if fresh is not None and fresh.job_id == rec.job_id:
+            rec.__dict__.update(fresh.__dict__)
     live = [r for r in recs if r.live]
     if not live:
         return
@@ -180,8 +185,11 @@ def refresh(recs: list[SlurmRecord], home: Path) -> None:
 
 
 def update(rec: SlurmRecord, info: cluster.JobInfo) -> None:
+    # An areal that cancels a job first records why (see cancel): then it was stopped, not
+    # cancelled by someone else, whoever sees the end first.
+    by_areal = rec.state == "stopping" and rec.message is not None
     rec.slurm_state = info.slurm_state
-    rec.state = info.state
+    rec.state = "stopped" if info.state == "cancelled" and by_areal else info.state
     rec.nodes = info.nodes or rec.nodes
     rec.reason = info.reason if info.state == "pending" else None
     rec.exit_code = info.exit_code if info.state in ENDED else rec.exit_code
