@@ -37,8 +37,8 @@ def ps(
 
     jobs_ = [
         j.to_json()
-        for name in schedulers.NAMES
-        for j in schedulers.get(name, home=settings.home(home)).list(include_ended=all_)
+        for sched in schedulers.used(settings.home(home))
+        for j in sched.list(include_ended=all_)
     ]
     jobs_.sort(key=lambda j: j["started"], reverse=True)
     if json_out:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import getpass
 import os
-import socket
 from pathlib import Path
 
 DEFAULT_REGISTRY = "/tmp/areal/name_resolve"
@@ -14,6 +12,8 @@ DEFAULT_TRIAL = "trial0"
 
 
 def user() -> str:
+    import getpass
+
     try:
         return getpass.getuser()
     except Exception:  # no passwd entry in some containers
@@ -21,6 +21,8 @@ def user() -> str:
 
 
 def hostname() -> str:
+    import socket  # 3-5 ms: only for commands that look at processes or servers
+
     return socket.gethostname()
 
 

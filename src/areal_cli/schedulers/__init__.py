@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import importlib
 import os
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from areal_cli.errors import UsageError
-from areal_cli.schedulers.api import Handle, Scheduler
+
+if TYPE_CHECKING:
+    from areal_cli.schedulers.api import Handle, Scheduler
 
 NAMES = {"local": "LocalScheduler", "slurm": "SlurmScheduler"}
 DEFAULT = "local"
+# Where under AREAL_HOME each scheduler keeps its job records: a scheduler with no folder
+# there has never run a job from this home, and `areal ps` need not even import it.
+RECORDS = {"local": "jobs", "slurm": "slurm"}
 
 
 def pick(flag: str | None, config: dict | None = None) -> str:
@@ -32,6 +39,11 @@ def get(name: str | None = None, **options) -> Scheduler:
     name = pick(name)
     module = importlib.import_module(f"areal_cli.schedulers.{name}")
     return getattr(module, NAMES[name])(**options)
+
+
+def used(home: Path) -> list[Scheduler]:
+    """The schedulers that have records in this home (imported only then)."""
+    return [get(name, home=home) for name in NAMES if (Path(home) / RECORDS[name]).is_dir()]
 
 
 def known_jobs(
