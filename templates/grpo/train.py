@@ -76,7 +76,15 @@ class Config:
     # which the reward stays where it started because the servers keep the old policy.
     sync_every: int = 1
     max_concurrency: int = 128
+    # Seconds one generation request, one control call (pause, weight update) and one weight
+    # broadcast may take on a live server.
     request_timeout: float = 600.0
+    control_timeout: float = 600.0
+    sync_timeout: float = 600.0
+    # A server that leaves a request unanswered for stall_timeout and then does not answer a
+    # cheap question within probe_timeout is hung: requests fail over, syncs go on without it.
+    stall_timeout: float = 10.0
+    probe_timeout: float = 5.0
     seed: int = 0
 
 
@@ -336,7 +344,13 @@ def main(argv: list[str]) -> None:
     cfg = load_config(argv)
     ctx = connect()
     torch.manual_seed(cfg.seed)
-    client = ctx.rollout_client(max_concurrency=cfg.max_concurrency, timeout=cfg.request_timeout)
+    client = ctx.rollout_client(
+        max_concurrency=cfg.max_concurrency,
+        timeout=cfg.request_timeout,
+        control_timeout=cfg.control_timeout,
+        stall_timeout=cfg.stall_timeout,
+        probe_timeout=cfg.probe_timeout,
+    )
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -374,6 +388,7 @@ def main(argv: list[str]) -> None:
         (ctx.log_dir / "grpo_config.json").write_text(json.dumps(asdict(cfg), indent=2))
 
     version: Any = None
+    sync_failed: list[str] = []
     for step in range(cfg.steps):
         t_start = time.perf_counter()
 
@@ -433,8 +448,10 @@ def main(argv: list[str]) -> None:
                 version=step + 1,
                 tokenizer_from=model_path,
                 dtype=sync_dtype,
+                timeout=cfg.sync_timeout,
             )
             version = synced["version"]
+            sync_failed = sorted(synced["failed"])
         else:
             version = groups[0][0].weight_version if groups and groups[0] else version
         t_end = time.perf_counter()
@@ -462,6 +479,9 @@ def main(argv: list[str]) -> None:
                     "train_s": t_train - t_rollout,
                     "sync_s": t_end - t_train,
                     "step_time_s": step_time,
+                    # servers the sync could not reach (they keep their old weights, unused)
+                    "sync_failed": sync_failed,
+                    "servers_sampled": sorted({c.server for g in groups for c in g}),
                 }
             )
         if not math.isfinite(stats["loss"]):

@@ -5,7 +5,8 @@
 
 Before sync k (k = 1..N) it adds k * 0.01 to every floating weight, so every sync sends
 other weights. After each sync rank 0 prints one JSON line: {"sync", "ok", "version",
-"seconds", "servers" | "error", "expected"}, where "expected" is the greedy continuation
+"seconds", "servers", "failed", "versions" | "error", "expected"}, where "expected" is the
+greedy continuation
 of PROMPT by its own model, which a server holding these weights must reproduce.
 With --wait-file F it waits for F to exist before each sync after the first.
 """
@@ -73,7 +74,7 @@ def main() -> None:
                 flatten=args.flatten or None,
             )
             line.update(ok=True, version=out["version"], bytes=out["bytes"])
-            line["servers"] = client.live_servers()
+            line.update(servers=out["servers"], failed=out["failed"], versions=out["versions"])
         except Exception as e:  # the test reads what the user would read
             line.update(ok=False, error=str(e), detail=getattr(e, "detail", None))
         line["seconds"] = time.perf_counter() - started

@@ -110,9 +110,7 @@ def test_disk_sync_sends_the_version_and_reads_it_back(models, tmp_path):
         servers[0].stop()
 
 
-def test_a_server_killed_mid_broadcast_fails_the_sync_in_time_and_the_next_one_skips_it(
-    models, tmp_path
-):
+def test_a_server_killed_mid_broadcast_is_named_and_the_sync_goes_on_without_it(models, tmp_path):
     timeout = 20.0
     a, b = start(models["mid"], tmp_path, 2, "--weight-sync-timeout", "15")
     gate = tmp_path / "go"
@@ -121,7 +119,6 @@ def test_a_server_killed_mid_broadcast_fails_the_sync_in_time_and_the_next_one_s
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        old = greedy(a)
         deadline = time.monotonic() + 120
         while not b.get("/server_info")[1]["weight_update"]["staged_tensors"]:
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
@@ -129,17 +126,22 @@ def test_a_server_killed_mid_broadcast_fails_the_sync_in_time_and_the_next_one_s
         os.kill(b.proc.pid, signal.SIGKILL)
         killed = time.monotonic()
         first = json.loads(proc.stdout.readline())
-        failed_after = time.monotonic() - killed
-        # It fails, within its timeout, and says which server.
-        assert first["ok"] is False and f"127.0.0.1:{b.port}" in first["error"], first
-        assert failed_after < timeout
-        # The survivor kept its old weights, whole: nothing of the broken sync was installed.
-        assert version(a) == "default" and greedy(a) == old
+        done_after = time.monotonic() - killed
+        # It goes on with the survivor, within its timeout, and says which server it lost.
+        alive, dead = f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"
+        assert first["ok"] is True and first["servers"] == [alive], first
+        assert list(first["failed"]) == [dead] and first["versions"][alive] == "1", first
+        assert first["versions"][dead] != "1"
+        assert done_after < timeout
+        # The survivor holds the new weights, whole (the broken group installed nothing).
+        assert version(a) == "1" and greedy(a) == first["expected"]
         gate.touch()
         second = json.loads(proc.stdout.readline())
-        assert second["ok"] is True and second["servers"] == [f"127.0.0.1:{a.port}"], second
+        assert second["ok"] is True and second["servers"] == [alive], second
         assert version(a) == "2" and greedy(a) == second["expected"]
-        assert proc.wait(60) == 0, proc.stderr.read()[-3000:]
+        assert proc.wait(60) == 0
+        err = proc.stderr.read()
+        assert f"went on without {dead}" in err, err[-3000:]
     finally:
         proc.kill()
         proc.wait()

@@ -602,3 +602,49 @@ def test_bad_construction_is_a_usage_error():
         RolloutClient([])
     with pytest.raises(UsageError):
         RolloutClient(["127.0.0.1:1"], backend="tgi")
+    for bad in ({"timeout": 0}, {"control_timeout": -1}, {"stall_timeout": float("nan")},
+                {"probe_timeout": 0}):  # fmt: skip
+        with pytest.raises(UsageError):
+            RolloutClient(["127.0.0.1:1"], **bad)
+
+
+def _silent_server() -> tuple[object, str]:
+    """A hung server as the network sees it (a SIGSTOPped process): the kernel accepts
+    connections, nothing ever answers."""
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock, f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_a_hung_server_costs_stall_plus_probe_not_the_request_timeout():
+    async def main():
+        sock, hung = _silent_server()
+        good = Stub(delay=0.02)
+        (ok,) = await _started(good)
+        try:
+            async with RolloutClient([hung, ok], timeout=600, control_timeout=600,
+                                     stall_timeout=0.5, probe_timeout=0.5) as client:  # fmt: skip
+                t0 = time.perf_counter()
+                groups = await client.generate_batch([[1, 2]] * 8, n=2, max_new_tokens=2)
+                took = time.perf_counter() - t0
+                assert {c.server for g in groups for c in g} == {ok}
+                assert "stopped answering" in client.server(hung).last_error
+                # A control call on it fails, naming it, as soon.
+                t0 = time.perf_counter()
+                with pytest.raises(RolloutError) as info:
+                    await client.pause(servers=[hung, ok])
+                failed_after = time.perf_counter() - t0
+                # A live server that is merely slow is never given up.
+                good.delay = 2.0
+                slow = await client.generate([3], max_new_tokens=1)
+        finally:
+            await _stopped(good)
+            sock.close()
+        assert took < 3.0, took
+        assert hung in info.value.message and failed_after < 3.0, failed_after
+        assert slow.server == ok
+
+    run(main())

@@ -4,8 +4,17 @@ One `RolloutClient` owns one aiohttp session and a view of every server: how man
 requests it is serving right now, whether it failed recently, and the weight version it
 reported last. A request goes to the live server with the fewest requests in flight; a
 server that refuses, resets, times out or answers 5xx is skipped for `cooldown` seconds
-and the request moves on to another one. A completion a server aborted (finish_reason
-"abort", e.g. a pause in abort mode) is retried, never returned.
+(doubling while it keeps failing, up to `max_cooldown`) and the request moves on to another
+one. A completion a server aborted (finish_reason "abort", e.g. a pause in abort mode) is
+retried, never returned.
+
+A hung server (stopped, deadlocked, swapped out) accepts connections and never answers, and
+a long generation legitimately takes minutes, so no single deadline tells them apart. A
+request left unanswered for `stall_timeout` seconds makes the client ask the server a cheap
+question (GET /model_info, vLLM /v1/models); no reply within `probe_timeout` and the server
+counts as hung: the request fails over, a control call fails naming it. So a hung server
+costs about stall_timeout + probe_timeout, whatever `timeout` allows a live one. One timer
+per client does the watching, only while requests are in flight.
 
 Two wire protocols, as SGLang 0.5.23 and vLLM 0.33 define them:
     sglang, hf   `POST /generate` with `input_ids` and `sampling_params` (only keys SGLang
@@ -32,7 +41,7 @@ import itertools
 import json
 import time
 from collections.abc import Coroutine, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from areal_cli.errors import LaunchError, UsageError
@@ -68,6 +77,11 @@ class _Server:
     addr: str
     in_flight: int = 0
     down_until: float = 0.0
+    failures: int = 0  # incidents in a row, for the cooldown's growth
+    answered: float = 0.0  # time.monotonic() of its last HTTP answer
+    probe: asyncio.Future | None = None  # a liveness question in flight
+    # Requests in flight: their task -> (start, path), for the hang watchdog.
+    pending: dict = field(default_factory=dict)
     last_error: str | None = None
     weight_version: str | None = None
     # A server whose weight update failed keeps serving old weights: never sample from it
@@ -87,9 +101,10 @@ class _Retryable(Exception):
     this one moment; the request moves on but the server stays in rotation.
     """
 
-    def __init__(self, message: str, cooldown: bool = True):
+    def __init__(self, message: str, cooldown: bool = True, status: int | None = None):
         super().__init__(message)
         self.cooldown = cooldown
+        self.status = status  # the HTTP status, when the server answered at all
 
 
 class _NotFound(RolloutError):
@@ -156,7 +171,15 @@ class RolloutClient:
         cooldown: float = 5.0,
         retry_backoff: float = 0.2,
         control_timeout: float = 600.0,
+        stall_timeout: float = 10.0,
+        probe_timeout: float = 5.0,
+        max_cooldown: float = 60.0,
     ):
+        """`timeout`: seconds one generation request may take; `control_timeout`: one
+        control call (pause, weight update, ...); `stall_timeout` and `probe_timeout`: how
+        soon a server that stopped answering counts as hung (0 turns the check off);
+        `cooldown`: how long a failed server is skipped at first, doubling to
+        `max_cooldown` while it keeps failing."""
         addrs = [_normalise_addr(a) for a in servers if a and a.strip()]
         if not addrs:
             raise UsageError(
@@ -170,6 +193,12 @@ class RolloutClient:
             )
         if max_concurrency < 1:
             raise UsageError("max_concurrency must be at least 1")
+        for name, v in (("timeout", timeout), ("control_timeout", control_timeout),
+                        ("probe_timeout", probe_timeout)):  # fmt: skip
+            if not v > 0:
+                raise UsageError(f"{name} must be a number of seconds > 0, not {v!r}")
+        if not stall_timeout >= 0:
+            raise UsageError(f"stall_timeout must be >= 0 seconds (0: off), not {stall_timeout!r}")
         self.backend = backend
         self.api_key = api_key
         self.max_concurrency = max_concurrency
@@ -178,6 +207,10 @@ class RolloutClient:
         self.cooldown = cooldown
         self.retry_backoff = retry_backoff
         self.control_timeout = control_timeout
+        self.stall_timeout = stall_timeout
+        self.probe_timeout = probe_timeout
+        self.max_cooldown = max(cooldown, max_cooldown)
+        self._probe_path = "/v1/models" if backend == "vllm" else "/model_info"
         self._servers = [_Server(a) for a in dict.fromkeys(addrs)]
         # Breaks ties between equally loaded servers, so an idle pool fills evenly.
         self._rr = itertools.count()
@@ -187,6 +220,8 @@ class RolloutClient:
         self._session_loop: asyncio.AbstractEventLoop | None = None
         self._sem: asyncio.Semaphore | None = None
         self._own_loop: asyncio.AbstractEventLoop | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._hung: dict[asyncio.Task, str] = {}  # tasks the watchdog cancelled, and why
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     # ------------------------------------------------------------------ plumbing
@@ -242,6 +277,9 @@ class RolloutClient:
         return self._own_loop.run_until_complete(coro)
 
     async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -254,6 +292,7 @@ class RolloutClient:
                 self._own_loop.run_until_complete(self.close())
             self._own_loop.close()
         self._own_loop = None
+        self._watchdog = None  # a timer of the loop just closed
 
     async def __aenter__(self) -> RolloutClient:
         self._ensure_session()
@@ -286,7 +325,11 @@ class RolloutClient:
         return min(candidates, key=lambda s: s.down_until) if candidates else None
 
     def _mark_down(self, server: _Server, reason: str) -> None:
-        server.down_until = time.monotonic() + self.cooldown
+        now = time.monotonic()
+        if server.down_until <= now:  # a new incident, not another request of the same one
+            server.failures += 1
+            pause = self.cooldown * 2 ** min(server.failures - 1, 16)
+            server.down_until = now + min(pause, self.max_cooldown)
         server.last_error = reason
 
     def _no_server_error(self, what: str) -> RolloutError:
@@ -311,6 +354,80 @@ class RolloutClient:
         timeout: float | None = None,
         params: dict[str, str] | None = None,
     ) -> Any:
+        """One exchange, failed as `_Retryable` when the server turns out to be hung."""
+        if not self.stall_timeout:
+            return await self._exchange(server, method, path, payload, timeout, params)
+        task = asyncio.current_task()
+        server.pending[task] = (time.monotonic(), path)
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().call_later(self._watch_every, self._watch)
+        try:
+            return await self._exchange(server, method, path, payload, timeout, params)
+        except asyncio.CancelledError:
+            reason = self._hung.pop(task, None)
+            if reason is None:
+                raise
+            task.uncancel()
+            raise _Retryable(reason) from None
+        finally:
+            del server.pending[task]
+
+    @property
+    def _watch_every(self) -> float:
+        return max(0.05, min(self.stall_timeout, self.probe_timeout) / 2)
+
+    def _watch(self) -> None:
+        """One timer for the whole client, running while requests are in flight: a server
+        with a request older than stall_timeout, and no answer to anything for that long,
+        is asked whether it is alive; if it does not answer, its requests fail over."""
+        now = time.monotonic()
+        busy = False
+        for server in self._servers:
+            if not server.pending:
+                continue
+            busy = True
+            if server.probe is not None and not server.probe.done():
+                continue
+            oldest = min(start for start, _ in server.pending.values())
+            quiet_since = max(oldest, server.answered)
+            if now - quiet_since >= self.stall_timeout:
+                server.probe = asyncio.ensure_future(self._probe(server))
+                server.probe.add_done_callback(lambda f, s=server: self._probed(s, f))
+        self._watchdog = (
+            asyncio.get_running_loop().call_later(self._watch_every, self._watch) if busy else None
+        )
+
+    def _probed(self, server: _Server, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is None and fut.result():
+            return
+        now = time.monotonic()
+        for task, (start, path) in list(server.pending.items()):
+            if now - start < self.stall_timeout or task in self._hung:
+                continue
+            self._hung[task] = (
+                f"{server.addr} stopped answering: {path} unanswered for {now - start:.0f}s, "
+                f"and no reply to GET {self._probe_path} within {self.probe_timeout:g}s"
+            )
+            task.cancel()
+
+    async def _probe(self, server: _Server) -> bool:
+        try:
+            await self._exchange(server, "GET", self._probe_path, timeout=self.probe_timeout)
+        except _Retryable as e:
+            return e.status is not None  # a 5xx is an answer: alive, though unwell
+        except RolloutError:
+            pass  # 4xx: alive
+        return True
+
+    async def _exchange(
+        self,
+        server: _Server,
+        method: str,
+        path: str,
+        payload: dict | None = None,
+        timeout: float | None = None,
+        params: dict[str, str] | None = None,
+    ) -> Any:
         session = self._session or self._ensure_session()
         aiohttp = self._aiohttp
         client_timeout = self._timeout if timeout is None else aiohttp.ClientTimeout(total=timeout)
@@ -322,11 +439,13 @@ class RolloutClient:
                 params=params,
                 timeout=client_timeout,
             ) as resp:
+                server.answered = time.monotonic()
                 if resp.status >= 500 or resp.status == 429:
                     body = (await resp.text())[:300]
                     raise _Retryable(
                         f"HTTP {resp.status} from {path}: {body}",
                         cooldown=resp.status not in (500, 429),
+                        status=resp.status,
                     )
                 if resp.status >= 400:
                     body = (await resp.text())[:500]
@@ -342,6 +461,7 @@ class RolloutClient:
                         detail=body,
                     )
                 text = await resp.text()
+                server.failures = 0
                 if not text.strip():
                     return None
                 try:

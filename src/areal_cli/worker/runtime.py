@@ -81,7 +81,11 @@ class WorkerContext:
             dist.barrier()
 
     def rollout_client(self, **kwargs: Any) -> RolloutClient:
-        """A RolloutClient on this job's servers (keyword arguments override its defaults)."""
+        """A RolloutClient on this job's servers. Keyword arguments override its defaults,
+        the timeouts among them: `timeout` (one generation request, 600 s), `control_timeout`
+        (one pause or weight update, 600 s), `stall_timeout` and `probe_timeout` (a server
+        silent that long, then deaf to a cheap question that long, is hung: 10 s + 5 s),
+        `cooldown` (how long a failed server is skipped at first, 5 s)."""
         from areal_cli.worker.rollout import RolloutClient
 
         if not self.servers:

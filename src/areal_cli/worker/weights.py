@@ -14,7 +14,12 @@ Two methods, as AReaL and slime have them:
 
 Every rank calls `sync_weights` (the gather is a collective); rank 0 talks to the servers,
 around a pause of generation; a broadcast of the outcome at the end means no rank starts
-sampling before the servers hold the new weights, and every rank raises if they do not.
+sampling before the servers hold the new weights, and every rank raises if none does.
+
+A server that dies or hangs during a sync does not stop it: the sync goes on with the
+servers that answer (a broken group is rebuilt without the server), rank 0 logs the one
+that did not, and the result says which server holds which version. The client stops
+sampling from a server that missed a sync until a later one reaches it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
 import os
 import shutil
 import socket
@@ -39,6 +45,8 @@ if TYPE_CHECKING:
     import torch
 
     from areal_cli.worker.rollout import RolloutClient
+
+log = logging.getLogger("areal.worker")
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -223,7 +231,10 @@ def sync_weights(
     naming the server, instead of hanging. `flatten` sends each bucket as one SGLang
     `flattened_bucket` (default: over nccl; over gloo tensor by tensor).
 
-    Returns {"version", "method", "bytes", "gather_s", "transfer_s", ...} on every rank.
+    Returns {"version", "method", "bytes", "gather_s", "transfer_s", "servers", "failed",
+    "versions", ...} on every rank: `servers` got the new weights, `failed` maps each server
+    that did not to why, `versions` each server to the version it holds as far as rank 0
+    knows (None: unknown). It raises only when no server got them.
     `client` is only used on rank 0 (other ranks may pass theirs, it stays untouched).
     """
     import torch.distributed as dist
@@ -244,7 +255,7 @@ def sync_weights(
         if _rank() == 0:
             try:
                 got = client.run(_reload(client, target, v, pause_mode))
-                result[0] = {"ok": True, "version": got, "bytes": _dir_bytes(target)}
+                result[0] = {"ok": True, **got, "bytes": _dir_bytes(target)}
             except Exception as e:  # every rank must learn of it, or the others hang
                 error = e
                 result[0] = {"ok": False, "message": getattr(e, "message", None) or str(e)}
@@ -278,6 +289,9 @@ def sync_weights(
         "version": outcome["version"],
         "method": method,
         "bytes": outcome.get("bytes", 0),
+        "servers": outcome.get("servers", []),
+        "failed": outcome.get("failed", {}),
+        "versions": outcome.get("versions", {}),
         **stats,
         "transfer_s": t2 - t1,
     }
@@ -292,12 +306,38 @@ def _dir_bytes(path: Path) -> int:
 
 async def _reload(
     client: RolloutClient, path: Path, version: str | None, pause_mode: str | None
-) -> str | None:
+) -> dict[str, Any]:
     await client.pause(pause_mode)
     try:
-        return await client.update_weights_from_disk(str(path), version=version)
+        got = await client.update_weights_from_disk(str(path), version=version)
     finally:
         await client.resume()
+    updated = [s.addr for s in client._servers if not s.stale]
+    failed = {s.addr: s.last_error or "not reachable" for s in client._servers if s.stale}
+    return _outcome(client, got, updated, failed)
+
+
+def _outcome(
+    client: RolloutClient, version: str | None, updated: list[str], failed: dict[str, str]
+) -> dict[str, Any]:
+    """What a sync reports: every server that did not get the weights and why (those it
+    failed on, and those it skipped as down), and rank 0's line about them."""
+    missed = {
+        s.addr: failed.get(s.addr) or f"skipped: {s.last_error or 'not reachable'}"
+        for s in client._servers
+        if s.addr not in updated
+    }
+    # The others keep what they held (a failed update installs nothing), as last reported.
+    versions = {s.addr: version if s.addr in updated else s.weight_version for s in client._servers}
+    if missed:
+        log.warning(
+            "weight sync to version %s went on without %s; %d of %d server(s) hold it",
+            version,
+            "; ".join(f"{a} ({why})" for a, why in missed.items()),
+            len(updated),
+            len(client._servers),
+        )
+    return {"version": version, "servers": updated, "failed": missed, "versions": versions}
 
 
 # --------------------------------------------------------------------------- distributed
@@ -388,30 +428,72 @@ async def _send(
     timeout: float,
     flatten: bool | None = None,
 ) -> dict[str, Any]:
+    """The sync, again without the servers that failed it, until it reaches every server
+    left (or none is)."""
     from areal_cli.worker.rollout import SyncError
 
-    transfer = await _ensure_transfer(client, timeout)
-    tensors = _cast(state, dtype or transfer.dtype)
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    failed: dict[str, BaseException] = {}
+    while True:
+        try:
+            transfer = await _ensure_transfer(client, timeout, exclude=set(failed))
+            tensors = _cast(state, dtype or transfer.dtype)
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            late = await _send_once(
+                client, transfer, tensors, version, pause_mode, bucket_bytes, timeout, flatten
+            )
+        except SyncError as e:  # some servers failed: the others keep their old weights
+            failed.update(e.failed)
+            if not [s for s in client._reachable() if s.addr not in failed]:
+                raise SyncError("weight sync", failed) from None
+            log.warning("weight sync: %s failed (%s); going on without it", ", ".join(e.failed),
+                        "; ".join(_why(x) for x in e.failed.values()))  # fmt: skip
+            continue
+        failed.update(late)
+        updated = [a for a in transfer.servers if a not in late]
+        client.mark_updated(updated, version)
+        out = _outcome(client, version, updated, {a: _why(e) for a, e in failed.items()})
+        return {**out, "bytes": total}
+
+
+def _why(e: BaseException) -> str:
+    return getattr(e, "message", None) or str(e) or type(e).__name__
+
+
+async def _send_once(
+    client: RolloutClient,
+    transfer: _Transfer,
+    tensors: dict[str, Any],
+    version: str | None,
+    pause_mode: str | None,
+    bucket_bytes: int,
+    timeout: float,
+    flatten: bool | None,
+) -> dict[str, BaseException]:
+    """One attempt over `transfer`'s group. Raises SyncError naming the servers that failed
+    before the weights were installed (the others keep their old ones, whole); returns
+    those that failed only to resume afterwards (they may hold either version)."""
+    from areal_cli.worker.rollout import SyncError
+
     servers = transfer.servers
-    await client.pause(pause_mode, servers)
     try:
+        await client.pause(pause_mode, servers)
         if transfer.vllm:
             await _send_vllm(client, transfer, tensors, version, timeout)
         else:
             await _send_sglang(client, transfer, tensors, version, bucket_bytes, timeout, flatten)
     except BaseException as e:
-        await _abandon(client, transfer)
+        bad = set(e.failed) if isinstance(e, SyncError) else set()
+        await _abandon(client, transfer, skip=bad)
         try:
-            await client.resume(servers)
+            await client.resume([a for a in servers if a not in bad])
         except SyncError:
             pass
-        if isinstance(e, SyncError):
-            raise SyncError("weight sync", e.failed) from None
         raise
-    await client.resume(servers)
-    client.mark_updated(servers, version)
-    return {"version": version, "bytes": total, "servers": list(servers)}
+    try:
+        await client.resume(servers)
+    except SyncError as e:
+        return dict(e.failed)
+    return {}
 
 
 async def _send_sglang(
@@ -521,13 +603,18 @@ async def _send_vllm(
                             lambda s: client._control(s, "/finish_weight_update", body))  # fmt: skip
 
 
-async def _abandon(client: RolloutClient, transfer: _Transfer) -> None:
+async def _abandon(
+    client: RolloutClient, transfer: _Transfer, skip: set[str] = frozenset()
+) -> None:
     """After a failed sync: drop the group on both ends and close the servers' sessions, so
     the survivors keep their old weights and the next sync starts a new group. Best effort
-    and quick: a server that does not answer within seconds is one the next sync skips."""
+    and quick: a server that does not answer within seconds is one the next sync skips;
+    those in `skip`, and those cooling down after a failure, are not asked."""
     transfer.close()
     if _TRANSFERS.get(client) is transfer:
         del _TRANSFERS[client]
+    now = time.monotonic()
+    skip = set(skip) | {s.addr for s in client._servers if s.down_until > now}
 
     async def one(s: Any) -> None:
         if transfer.vllm:
@@ -543,7 +630,7 @@ async def _abandon(client: RolloutClient, transfer: _Transfer) -> None:
         except Exception:  # already down, or the session is already closed
             pass
 
-    await asyncio.gather(*(quietly(client.server(a)) for a in transfer.servers))
+    await asyncio.gather(*(quietly(client.server(a)) for a in transfer.servers if a not in skip))
 
 
 def _cast(state: dict[str, Any], dtype: Any) -> dict[str, Any]:
@@ -572,11 +659,13 @@ def _buckets(tensors: dict[str, Any], limit: int):
         yield bucket
 
 
-async def _ensure_transfer(client: RolloutClient, timeout: float) -> _Transfer:
+async def _ensure_transfer(
+    client: RolloutClient, timeout: float, exclude: set[str] = frozenset()
+) -> _Transfer:
     """The client's group, made now if there is none or the reachable servers changed."""
     from areal_cli.worker.rollout import RolloutError
 
-    candidates = [s.addr for s in client._reachable()]
+    candidates = [s.addr for s in client._reachable() if s.addr not in exclude]
     if not candidates:
         raise client._no_server_error("weight sync")
     old = _TRANSFERS.get(client)
