@@ -297,6 +297,9 @@ def run_foreground(sched, request, json_out: bool = False) -> None:
         elif kind == "stopping":
             why = "" if info["state"] == "stopped" else f" ({info['state']})"
             err.print(f"[yellow]stopping[/] {name}{why}")
+        elif kind == "resumed":
+            left = ", ".join(info["servers"])
+            err.print(f"[yellow]resumed[/] {left} (left paused by the trainer)")
 
     def handler(signum, _frame):
         sched.request_stop(signum)

@@ -110,7 +110,7 @@ def register(app: typer.Typer) -> None:
         api_key: str = typer.Option(
             None,
             "--api-key",
-            help="auto (a key when bound beyond loopback) | none | KEY (default auto).",
+            help="auto (a generated key, loopback too) | none | KEY (default auto).",
         ),
         seed: int = typer.Option(
             None, "--seed", help="Random seed given to each server (default 1)."

@@ -259,6 +259,11 @@ def register(app: typer.Typer) -> None:
                 )
                 for addr, why in found.skipped:
                     console.err.print(f"[yellow]left out[/] {addr}: {why}")
+                for addr in found.resumed:
+                    console.err.print(
+                        f"[yellow]resumed[/] {addr}: it was paused with no trainer of "
+                        f"{experiment}/{trial} alive (a weight sync that never finished)"
+                    )
         spec = JobSpec(
             experiment=experiment,
             trial=trial,

@@ -3,6 +3,12 @@
 Only servers we may trust get the job's API key: those whose registry metadata says the job
 that holds the key started them. Probing honours the caller's deadline: many probes run at
 once, each bounded by the time that is left.
+
+A paused server would hold every request of a new trainer forever. When no trainer of the
+trial is alive (its rank table is empty), a paused server is one a dead trainer left
+mid-sync: it is resumed and used, and the caller is told. While a trainer of the trial
+lives, its servers may be paused for its own weight sync: they are left out, with the
+reason.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ class Found:
     entries: list[ServerEntry]
     # Registered servers left out, and why (a key we do not hold, another job's key).
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    # Servers found paused with no trainer of the trial alive, and resumed.
+    resumed: list[str] = field(default_factory=list)
 
 
 def healthy(
@@ -99,6 +107,17 @@ def from_registry(
         round_end = max(deadline, time.monotonic() + 0.5)
         status = healthy([e.addr for e in usable], key, timeout=2.0, deadline=round_end)
         good = [e for e in usable if status.get(e.addr)]
+        # Paused servers: a vLLM one answers /health, an hf or SGLang one does not (its
+        # /health waits for a token the pause holds back): those count when too few are
+        # healthy. Entries without our metadata (AReaL's) are not asked.
+        maybe = good if len(good) >= min_servers else good + [
+            e for e in usable if not status.get(e.addr) and e.backend
+        ]  # fmt: skip
+        resumed: list[str] = []
+        if maybe:
+            kept, resumed, held = _unpause(registry, experiment, trial, maybe, key, round_end)
+            good = [e for e in kept if status.get(e.addr) or e.addr in resumed]
+            skipped = [*skipped, *held]
         left = deadline - time.monotonic()
         if on_progress:
             on_progress(len(good), max(0.0, left))
@@ -110,7 +129,7 @@ def from_registry(
                     hint="serve one backend per trial, or pick servers with --servers",
                 )
             backend = backends.pop() if backends else "sglang"
-            return Found([e.addr for e in good], backend, key, good, skipped)
+            return Found([e.addr for e in good], backend, key, good, skipped, resumed)
         if left <= 0:
             where = registry.where(experiment, trial)
             why = "".join(f"\n  left out {addr}: {reason}" for addr, reason in skipped)
@@ -122,6 +141,45 @@ def from_registry(
             )
         time.sleep(max(0.0, min(delay, left, 0.5)))
         delay *= 2
+
+
+def _unpause(
+    registry: Registry,
+    experiment: str,
+    trial: str,
+    good: list[ServerEntry],
+    key: str | None,
+    deadline: float,
+) -> tuple[list[ServerEntry], list[str], list[tuple[str, str]]]:
+    """(servers to use, those of them resumed, paused ones left out with the reason). Every
+    question is bounded by the caller's deadline (with a short minimum)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from areal_cli import control
+
+    def budget() -> float:
+        return max(0.2, min(2.0, deadline - time.monotonic()))
+
+    with ThreadPoolExecutor(max_workers=min(MAX_PROBES, len(good))) as ex:
+        flags = list(ex.map(lambda e: control.paused(e.addr, e.backend or "sglang", key,
+                                                     budget()), good))  # fmt: skip
+    stuck = [e for e, flag in zip(good, flags, strict=True) if flag is True]
+    if not stuck:
+        return good, [], []
+    try:
+        training = bool(registry.ranks(experiment, trial))
+    except Exception:
+        training = True  # cannot tell: do not resume under a trainer's feet
+    if training:
+        why = f"paused, and a trainer of {experiment}/{trial} is alive (its weight sync?)"
+        return [e for e in good if e not in stuck], [], [(e.addr, why) for e in stuck]
+    with ThreadPoolExecutor(max_workers=min(MAX_PROBES, len(stuck))) as ex:
+        took = list(ex.map(lambda e: control.resume(e.addr, e.backend or "sglang", key,
+                                                    budget()), stuck))  # fmt: skip
+    resumed = [e.addr for e, ok in zip(stuck, took, strict=True) if ok]
+    refused = [e for e, ok in zip(stuck, took, strict=True) if not ok]
+    why = "paused, and it did not take a resume"
+    return [e for e in good if e not in refused], resumed, [(e.addr, why) for e in refused]
 
 
 def _unique(entries: list[ServerEntry]) -> list[ServerEntry]:

@@ -78,7 +78,7 @@ class JobSpec:
     trainer: TrainerRole | None = None
     alloc: str | None = None
     gpus_flag: str | None = None  # --gpus as given
-    api_key: str = "auto"  # "auto" (a key when bound beyond loopback) | "none" | a key
+    api_key: str = "auto"  # "auto" (a generated key, loopback too) | "none" | a key
     health_timeout: float = 600.0
     # Servers a training-only job found in the registry or got from --servers.
     external_servers: tuple[str, ...] = ()

@@ -63,7 +63,7 @@ def version(srv: HfServer) -> str:
 def test_probes_answer_empty_bodies(server):
     # srt/entrypoints/http_server.py:714-719 (/ready), :721-800 (/health, /health_generate):
     # Response(status_code=200) with no body.
-    for path in ("/health", "/health_generate", "/ready"):
+    for path in ("/health", "/health_generate", "/ready", "/ping"):
         assert server.get(path) == (200, "")
 
 
@@ -412,6 +412,9 @@ def test_health_generates_so_a_paused_idle_server_is_unhealthy(models, tmp_path,
         started = time.monotonic()
         assert srv.get("/health") == (503, "")
         assert 0.9 < time.monotonic() - started < 5
-        assert srv.get("/ready") == (200, "")  # readiness is not liveness
+        # The failed check flags it unhealthy (http_server.py:796-798): /ready (is_ready,
+        # tokenizer_manager.py:732-734) and /ping (is_healthy, http_server.py:2189-2199) 503.
+        assert srv.get("/ready") == (503, "") and srv.get("/ping") == (503, "")
         srv.post("/continue_generation", {})
         assert srv.get("/health") == (200, "")
+        assert srv.get("/ready") == (200, "") and srv.get("/ping") == (200, "")

@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from areal_cli import apikeys
 from tests.helpers import AREAL, REPO, areal
 
 TRAIN = str(REPO / "templates" / "grpo" / "train.py")
@@ -57,7 +58,10 @@ def test_serve_then_train_learns_through_weight_sync(tiny, areal_env, method):
         gain = sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5
         assert gain >= 0.2, rewards
         # The new weights really reached the server: its version is the last step's.
-        with urllib.request.urlopen(f"http://{server['addr']}/model_info") as r:
+        key = json.loads(apikeys.key_file(home, "default", "trial0").read_text())["key"]
+        req = urllib.request.Request(f"http://{server['addr']}/model_info")
+        req.add_header("Authorization", f"Bearer {key}")  # a key on loopback too
+        with urllib.request.urlopen(req) as r:
             version = json.loads(r.read())["weight_version"]
         assert version == rows[-1]["weight_version"] == "25"
         assert max(r["logprob_gap"] for r in rows) < 1e-3

@@ -216,8 +216,9 @@ def test_pause_holds_requests_until_continue(server: HfServer):
         t.start()
         time.sleep(0.5)
         assert not result, "a request ran while generation was paused"
-        # Up, though not generating: SGLang's /health would time out (see conformance).
-        assert server.get("/ready")[0] == 200
+        # Not ready while paused, though up (tokenizer_manager.py:732-734; http_server.py:
+        # 2189-2199): /ready 503, /ping 200. SGLang's /health would time out (conformance).
+        assert server.get("/ready")[0] == 503 and server.get("/ping")[0] == 200
         assert server.get("/server_info")[1]["batching"]["paused"] is True
     finally:
         server.post("/continue_generation")
@@ -275,24 +276,35 @@ def test_v1_completions_with_token_ids_and_logprobs(server: HfServer, models):
     assert status == 404
 
 
-def test_api_key_seed_and_sigterm(models, tmp_path: Path):
-    """Two fresh servers with the same --seed and --api-key: 401 without the key, the same
-    sampled outputs for the same requests, and SIGTERM mid-generation exits 0 quickly.
-    A third, started beside them on a missing model, exits 1."""
-    args = ("--api-key", "sekret", "--seed", "7")
+def test_api_key_seed_and_sigterm(models, tmp_path: Path, monkeypatch):
+    """Two fresh servers with the same --seed and key (one from AREAL_SERVER_API_KEY, one
+    from --api-key-file: never on the command line): 401 without the key, the same sampled
+    outputs for the same requests, and SIGTERM mid-generation exits 0 quickly."""
+    key_file = tmp_path / "key"
+    key_file.write_text("sekret\n")
+    key_file.chmod(0o644)
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "areal_cli.server", "--model-path", str(models["base"]),
+           "--api-key-file", str(key_file)]  # fmt: skip
+    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "chmod 600" in bad.stdout + bad.stderr
+    key_file.chmod(0o600)
     auth = {"Authorization": "Bearer sekret"}
     params = {"max_new_tokens": 12, "temperature": 1.0}
-    with (
-        HfServer(models["base"], tmp_path, *args) as a,
-        HfServer(models["base"], tmp_path, *args) as b,
-    ):
+    monkeypatch.setenv("AREAL_SERVER_API_KEY", "sekret")
+    a = HfServer(models["base"], tmp_path, "--seed", "7")
+    monkeypatch.delenv("AREAL_SERVER_API_KEY")
+    b = HfServer(models["base"], tmp_path, "--seed", "7", "--api-key-file", str(key_file))
+    with a, b:
         a.wait_healthy()
         b.wait_healthy()
         assert a.health_status() == 200
         status, body = a.post("/generate", {"input_ids": PROMPTS[0], "sampling_params": params})
         assert status == 401
         assert a.get("/model_info", headers={"Authorization": "Bearer wrong"})[0] == 401
-        assert a.get("/v1/models")[0] == 401
+        assert a.get("/v1/models")[0] == 401 and b.get("/v1/models")[0] == 401
 
         outputs = []
         for srv in (a, b):

@@ -214,23 +214,18 @@ def test_config_file_and_unknown_key(model, tmp_path):
     assert "not valid YAML" in areal("serve", "--config", str(cfg), check=2).stderr
 
 
-def test_api_key_auto_beyond_loopback(model, areal_env):
-    home, reg = areal_env
+def test_api_key_auto_everywhere_in_the_environment_only_none_opts_out(model, areal_env):
+    for host in ("0.0.0.0", "127.0.0.1"):
+        plan = json.loads(
+            areal(*fake_serve_args(model, "--host", host, "--dry-run", "--json"), check=0).stdout
+        )
+        proc = plan["processes"][0]
+        assert plan["api_key"] == "<set>" and proc["env"]["AREAL_SERVER_API_KEY"] == "<api-key>"
+        assert "--api-key" not in proc["argv"] and "<api-key>" not in proc["argv"]
     plan = json.loads(
-        areal(*fake_serve_args(model, "--host", "0.0.0.0", "--dry-run", "--json"), check=0).stdout
+        areal(*fake_serve_args(model, "--api-key", "none", "--dry-run", "--json"), check=0).stdout
     )
-    assert plan["api_key"] == "<set>" and "<api-key>" in plan["processes"][0]["argv"]
-    plan = json.loads(
-        areal(
-            *fake_serve_args(
-                model, "--host", "0.0.0.0", "--api-key", "none", "--dry-run", "--json"
-            ),
-            check=0,
-        ).stdout
-    )
-    assert plan["api_key"] is None
-    plan = json.loads(areal(*fake_serve_args(model, "--dry-run", "--json"), check=0).stdout)
-    assert plan["api_key"] is None  # loopback needs none
+    assert plan["api_key"] is None and "AREAL_SERVER_API_KEY" not in plan["processes"][0]["env"]
 
 
 def test_fake_script_python_is_used(model):

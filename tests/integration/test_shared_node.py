@@ -12,12 +12,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import psutil
 import pytest
 
-from areal_cli import settings
+from areal_cli import apikeys, settings
 from areal_cli.registry import FileRegistry, ServerEntry
 from tests.helpers import AREAL, REPO, areal, fake_serve_args
 
@@ -46,6 +48,24 @@ def model(tmp_path):
     d = tmp_path / "model"
     d.mkdir()
     return d
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A real tiny model in a folder every user may read (the other uid serves it too)."""
+    from areal_cli.modelgen import create_tiny_model
+
+    base = Path(tempfile.mkdtemp(prefix="areal-tiny-", dir="/tmp"))
+    made = create_tiny_model(base / "tiny", seed=0)
+    for p in [base, *base.rglob("*")]:
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    yield made
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def needs_other_user():
+    if shutil.which("setpriv") is None or os.getuid() != 0:
+        pytest.skip("needs root and setpriv to act as another user")
 
 
 @pytest.fixture
@@ -151,6 +171,227 @@ def test_the_key_goes_only_to_servers_its_job_started(model, areal_env, tmp_path
         assert env["AREAL_API_KEY"]
     finally:
         areal("stop", "default/trial0", check=0)
+
+
+# -- 2. the key in ps, 3. open loopback servers ----------------------------------------------
+
+# Run as the other user: what it sees of our server and what the server lets it do.
+PROBE = """
+import json, os, sys, urllib.request, urllib.error
+pid, addr, key = sys.argv[1], sys.argv[2], os.environ["OUR_KEY"]
+out = {"cmdline_has_key": key in open(f"/proc/{pid}/cmdline").read()}
+try:
+    open(f"/proc/{pid}/environ").read()
+    out["environ"] = "read"
+except PermissionError:
+    out["environ"] = "denied"
+for method, path in [("GET", "/health"), ("POST", "/generate"), ("POST", "/pause_generation"),
+                     ("POST", "/update_weights_from_disk"), ("POST", "/continue_generation"),
+                     ("GET", "/model_info")]:
+    req = urllib.request.Request(f"http://{addr}{path}", method=method,
+                                 data=b"{}" if method == "POST" else None)
+    try:
+        out[path] = urllib.request.urlopen(req, timeout=30).status
+    except urllib.error.HTTPError as e:
+        out[path] = e.code
+print(json.dumps(out))
+"""
+
+
+def test_no_process_shows_the_key_and_another_user_gets_401(tiny, areal_env):
+    needs_other_user()
+    home, _ = areal_env
+    # Loopback and `--api-key auto` (the default): a key all the same.
+    out = json.loads(areal("serve", "--backend", "hf", "--model", str(tiny), "--detach", "--json",
+                           check=0, timeout=180).stdout)  # fmt: skip
+    try:
+        (server,) = out["servers"]
+        key = json.loads(apikeys.key_file(home, "default", "trial0").read_text())["key"]
+        seen = {}
+        for p in psutil.process_iter():
+            try:
+                seen[p.pid] = "\0".join(p.cmdline())
+            except psutil.Error:
+                continue
+        assert "areal_cli.server" in seen[server["pid"]]
+        assert [pid for pid, cmd in seen.items() if key in cmd] == []
+        env = {**os.environ, "OUR_KEY": key}
+        probe = as_other(sys.executable, "-c", PROBE, str(server["pid"]), server["addr"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        got = json.loads(probe.communicate(timeout=120)[0])
+        assert got.pop("cmdline_has_key") is False and got.pop("environ") == "denied"
+        assert got.pop("/health") == 200 and set(got.values()) == {401}, got
+        # With the key it serves.
+        req = urllib.request.Request(
+            f"http://{server['addr']}/generate",
+            json.dumps({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}).encode(),
+            {"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.status == 200 and len(json.loads(r.read())["output_ids"]) == 2
+    finally:
+        areal("stop", "default/trial0", check=0)
+
+
+@pytest.mark.parametrize("backend, var", [("sglang", "AREAL_SERVER_API_KEY"),
+                                          ("vllm", "VLLM_API_KEY")])  # fmt: skip
+def test_sglang_and_vllm_get_the_key_in_their_environment_only(model, backend, var):
+    env = {"PATH": f"{REPO / 'tests' / 'fixtures'}:{os.environ['PATH']}"}  # nvidia-smi: GPUs
+    args = ["serve", "--backend", backend, "--model", str(model), "--alloc", f"{backend}:d1",
+            "--api-key", "sekret-4242", "--dry-run"]  # fmt: skip
+    text = areal(*args, env=env, check=0).stdout
+    plan = json.loads(areal(*args, "--json", env=env, check=0).stdout)
+    assert "sekret-4242" not in text + json.dumps(plan)
+    (proc,) = plan["processes"]
+    assert proc["env"][var] == "<api-key>" and f"{var}='<api-key>'" in text
+    assert "--api-key" not in proc["argv"] and "<api-key>" not in proc["argv"]
+    if backend == "sglang":
+        # srt/server_args.py:400-405: the key goes in a --config YAML, fed by our launcher.
+        cut = proc["argv"].index("--")
+        assert proc["argv"][1:cut] == ["-m", "areal_cli.backends.sglang_launch"]
+        assert proc["argv"][cut + 2 : cut + 4] == ["-m", "sglang.launch_server"]
+
+
+# A stand-in for `python -m sglang.launch_server`: it parses its command line the way SGLang
+# 0.5.23's prepare_server_args does (srt/server_args.py:683-689), with SGLang's own
+# ConfigArgumentMerger (srt/utils/server_args_config_parser.py) when the wheel is unpacked.
+FAKE_SGLANG = """
+import argparse, importlib.util, json, os, sys
+from pathlib import Path
+parser = argparse.ArgumentParser()
+for flag in ("--model-path", "--api-key", "--config", "--tp-size"):
+    parser.add_argument(flag)
+argv = sys.argv[1:]
+source = Path("/tmp/wheels/sglang/sglang/srt/utils/server_args_config_parser.py")
+if source.exists():
+    spec = importlib.util.spec_from_file_location("parser", source)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    argv = mod.ConfigArgumentMerger(parser).merge_config_with_args(argv)
+else:
+    import yaml
+    i = argv.index("--config")
+    path = Path(argv[i + 1])
+    assert path.suffix == ".yaml" and path.exists()
+    extra = [x for k, v in yaml.safe_load(path.open()).items() for x in ("--" + k, str(v))]
+    argv = extra + argv[:i] + argv[i + 2:]
+args = parser.parse_args(argv)
+print(json.dumps({"pid": os.getpid(), "cmdline": open("/proc/self/cmdline").read(),
+                  "api_key": args.api_key, "tp_size": args.tp_size, "config": sys.argv[-1],
+                  "env_key": os.environ.get("AREAL_SERVER_API_KEY")}))
+"""
+
+
+def test_sglang_reads_its_key_from_a_fifo_that_is_gone_after(tmp_path):
+    fake = tmp_path / "fake_sglang.py"
+    fake.write_text(FAKE_SGLANG)
+    user = tmp_path / "mine.yaml"
+    user.write_text("tp-size: 2\n")  # the user's own --config is merged, not lost
+    cmd = [sys.executable, "-m", "areal_cli.backends.sglang_launch", "--", sys.executable,
+           str(fake), "--model-path", "/m", "--config", str(user)]  # fmt: skip
+    env = {**os.environ, "AREAL_SERVER_API_KEY": "k-fifo-1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert got["api_key"] == "k-fifo-1" and got["tp_size"] == "2"
+    assert "k-fifo-1" not in got["cmdline"] and got["env_key"] is None
+    assert _wait(lambda: not os.path.exists(got["config"]), 5)  # read once, then removed
+    assert not os.path.exists(os.path.dirname(got["config"]))
+
+
+# An hf server run by the other user: no path's answer says more than any other's.
+def test_disk_update_errors_do_not_tell_paths_apart(tiny, tmp_path):
+    needs_other_user()
+    base = Path(tempfile.mkdtemp(prefix="areal-paths-", dir="/tmp"))
+    try:
+        os.chmod(base, 0o755)
+        hidden = base / "hidden"  # a real checkpoint the server's user may not read
+        shutil.copytree(tiny, hidden / "ckpt")
+        os.chmod(hidden, 0o700)
+        (base / "file").write_text("x")
+        (base / "empty").mkdir()
+        (base / "junk").mkdir()
+        (base / "junk" / "config.json").write_text("{not json")
+        from areal_cli.modelgen import create_tiny_model
+
+        wide = create_tiny_model(base / "wide", seed=0, hidden_size=32)
+        for p in [base, *base.rglob("*")]:
+            if hidden not in (p, *p.parents):
+                os.chmod(p, 0o755 if p.is_dir() else 0o644)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {**os.environ, "HOME": str(base), "HF_HUB_OFFLINE": "1",
+               "AREAL_SERVER_API_KEY": "k"}  # fmt: skip
+        log = (base / "server.log").open("w")
+        server = as_other(sys.executable, "-m", "areal_cli.server", "--model-path", str(tiny),
+                          "--port", str(port), env=env, stdout=log,
+                          stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            url = f"http://127.0.0.1:{port}"
+            up = _wait(lambda: server.poll() is not None or _status(url + "/health") == 200, 120)
+            assert up and server.poll() is None, (base / "server.log").read_text()
+            answers = {}
+            for name, path in [("missing", base / "nope"), ("unreadable", hidden / "ckpt"),
+                               ("a file", base / "file"), ("empty", base / "empty"),
+                               ("not a checkpoint", base / "junk"), ("another model", wide)]:  # fmt: skip
+                answers[name] = _post(url + "/update_weights_from_disk", {"model_path": str(path)})
+            assert len({json.dumps(a) for a in answers.values()}) == 1, answers
+            status, body = answers["missing"]
+            assert status == 400 and body["success"] is False and str(base) not in body["message"]
+        finally:
+            server.kill()
+            server.wait()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), method="POST",
+                                 headers={"Authorization": "Bearer k",
+                                          "Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_doctor_check_says_how_keys_travel_and_warns_of_sglangs_open_logs(tmp_path):
+    # SGLang installed (its metadata is all `doctor check` reads), logs others may enter.
+    site = tmp_path / "site"
+    (site / "sglang-0.5.23.dist-info").mkdir(parents=True)
+    (site / "sglang-0.5.23.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.23\n"
+    )
+    home = Path(tempfile.mkdtemp(prefix="areal-home-", dir="/tmp"))
+    try:
+        os.chmod(home, 0o755)
+        logs = home / "logs" / ME
+        logs.mkdir(parents=True)
+        env = {"PYTHONPATH": str(site), "AREAL_HOME": str(home)}
+
+        def row() -> dict:
+            res = areal("doctor", "check", "--json", env=env)
+            return next(r for r in json.loads(res.stdout)["rows"] if r["name"] == "server API keys")
+
+        got = row()
+        assert got["status"] == "warn" and f"chmod 700 {logs}" in got["fix"]
+        assert "VLLM_API_KEY" in got["detail"] and "--config" in got["detail"]
+        os.chmod(logs, 0o700)
+        assert row()["status"] == "pass"
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 # -- 6. two starts at once -----------------------------------------------------------------

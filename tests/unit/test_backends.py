@@ -13,15 +13,16 @@ from tests.helpers import areal
 # (srt/arg_groups/arg_utils.py:288-290): model_path (fields/model.py:51-57), host and port
 # (fields/serving.py:65-66), tp_size (fields/parallel.py:45-51), pp_size (:59-65),
 # random_seed (fields/device.py:47), base_gpu_id (:28-31), mem_fraction_static
-# (fields/schedule.py:27-30), api_key (fields/serving.py:160-163).
+# (fields/schedule.py:27-30), revision (fields/model.py); never api_key (fields/serving.py:160):
+# a key goes in the YAML of --config (server_args.py:400-405), see test_sglang_key_*.
 SGLANG_FLAGS = {"--model-path", "--host", "--port", "--tp-size", "--pp-size", "--random-seed",
-                "--base-gpu-id", "--mem-fraction-static", "--api-key", "--revision"}  # fmt: skip
+                "--base-gpu-id", "--mem-fraction-static", "--revision"}  # fmt: skip
 # vllm 0.33: engine/arg_utils.py:978 (--seed), :1010 (--logprobs-mode), :1041
 # (--generation-config), :1171 (--pipeline-parallel-size), :1209 (--tensor-parallel-size),
-# :1389 (--gpu-memory-utilization), :1915 (--weight-transfer-config); --host, --port,
-# --api-key from the OpenAI server's arguments.
+# :1389 (--gpu-memory-utilization), :1915 (--weight-transfer-config); --host, --port from the
+# OpenAI server's arguments. Never --api-key: the key is VLLM_API_KEY (envs.py:829).
 VLLM_FLAGS = {"--host", "--port", "--tensor-parallel-size", "--pipeline-parallel-size", "--seed",
-              "--gpu-memory-utilization", "--api-key", "--logprobs-mode", "--generation-config",
+              "--gpu-memory-utilization", "--logprobs-mode", "--generation-config",
               "--weight-transfer-config", "--revision"}  # fmt: skip
 
 
@@ -38,11 +39,29 @@ def value(argv: list[str], flag: str) -> str:
 
 
 def test_sglang_argv_uses_only_its_flags():
-    argv = backends.get("sglang").argv(role("sglang", tp=2, pp=2), 30000, "k", True)
+    argv = backends.get("sglang").argv(role("sglang", tp=2, pp=2), 30000, None, True)
     assert argv[:3] == ["python", "-m", "sglang.launch_server"]
     assert flags(argv) <= SGLANG_FLAGS
     assert value(argv, "--tp-size") == "2" and value(argv, "--pp-size") == "2"
     assert backends.get("sglang").env(role("sglang")) == {}
+
+
+def test_sglang_key_goes_through_the_launcher_and_the_environment():
+    sglang = backends.get("sglang")
+    argv = sglang.argv(role("sglang"), 30000, "k3y", True)
+    assert "k3y" not in argv and "--api-key" not in argv
+    launcher, server = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
+    assert launcher[1:] == ["-m", "areal_cli.backends.sglang_launch"]
+    assert server[:3] == ["python", "-m", "sglang.launch_server"] and flags(server) <= SGLANG_FLAGS
+    assert sglang.env(role("sglang"), "k3y") == {"AREAL_SERVER_API_KEY": "k3y"}
+
+
+@pytest.mark.parametrize("name, var", [("hf", "AREAL_SERVER_API_KEY"), ("vllm", "VLLM_API_KEY")])
+def test_hf_and_vllm_keys_only_in_the_environment(name, var):
+    b = backends.get(name)
+    argv = b.argv(role(name), 8000, "k3y", True)
+    assert "k3y" not in argv and "--api-key" not in argv
+    assert b.env(role(name), "k3y")[var] == "k3y"
 
 
 def test_vllm_argv_and_env_for_a_trained_server():

@@ -10,10 +10,10 @@ from areal_cli.spec import JobSpec, ServerRole, TrainerRole
 
 # From `python -m sglang.launch_server --help` / the server-arguments page.
 SGLANG_FLAGS = {"--model-path", "--host", "--port", "--tp-size", "--pp-size", "--random-seed",
-                "--base-gpu-id", "--mem-fraction-static", "--api-key"}  # fmt: skip
+                "--base-gpu-id", "--mem-fraction-static"}  # fmt: skip
 # From `vllm serve --help` / the engine-arguments page.
 VLLM_FLAGS = {"--host", "--port", "--tensor-parallel-size", "--pipeline-parallel-size", "--seed",
-              "--gpu-memory-utilization", "--api-key", "--logprobs-mode", "--generation-config",
+              "--gpu-memory-utilization", "--logprobs-mode", "--generation-config",
               "--weight-transfer-config"}  # fmt: skip
 
 
@@ -35,8 +35,9 @@ def spec(backend, d, t, model, **kw):
 
 def test_sglang_plan_slices_gpus(tmp_path, four_gpus):
     p = planner.plan(
-        spec("sglang", 2, 2, tmp_path), tmp_path, str(tmp_path / "r"), check_packages=False
-    )
+        spec("sglang", 2, 2, tmp_path, api_key="none"), tmp_path, str(tmp_path / "r"),
+        check_packages=False,
+    )  # fmt: skip
     assert [s.env["CUDA_VISIBLE_DEVICES"] for s in p.servers] == ["0,1", "2,3"]
     argv = p.servers[0].argv
     assert argv[:3] == ["python", "-m", "sglang.launch_server"]
@@ -50,8 +51,19 @@ def test_vllm_plan(tmp_path, four_gpus):
                      tmp_path / "r", check_packages=False)  # fmt: skip
     argv = p.servers[0].argv
     assert argv[1:3] == ["serve", str(tmp_path)] and flags(argv) <= VLLM_FLAGS
-    # Bound beyond loopback: a key is generated and handed to the server.
-    assert p.api_key and argv[argv.index("--api-key") + 1] == p.api_key
+    # A key is generated and handed to the server in its environment, never its argv.
+    assert p.api_key and p.api_key not in argv and "--api-key" not in argv
+    assert p.servers[0].env["VLLM_API_KEY"] == p.api_key
+
+
+def test_auto_key_on_loopback_too_and_none_opts_out(tmp_path):
+    p = planner.plan(spec("hf", 1, 1, tmp_path), tmp_path, str(tmp_path / "r"),
+                     check_packages=False)  # fmt: skip
+    assert p.api_key and p.servers[0].env["AREAL_SERVER_API_KEY"] == p.api_key
+    assert p.api_key not in p.servers[0].argv
+    p = planner.plan(spec("hf", 1, 1, tmp_path, api_key="none"), tmp_path, str(tmp_path / "r"),
+                     check_packages=False)  # fmt: skip
+    assert p.api_key is None and "AREAL_SERVER_API_KEY" not in p.servers[0].env
 
 
 def test_fewer_gpus_than_planned(tmp_path, four_gpus):

@@ -4,16 +4,26 @@ Each backend turns (role, port, host) into the argv and environment of one serve
 GPUs are handed over by CUDA_VISIBLE_DEVICES slices, so every replica counts its GPUs from 0.
 Flags are those of sglang 0.5.23 (srt/arg_groups/fields/*.py, one flag per field name) and
 vllm 0.33 (engine/arg_utils.py).
+
+An API key never goes on a command line, which every local user reads in /proc/PID/cmdline:
+    hf      AREAL_SERVER_API_KEY in its environment (server/__main__.py)
+    vllm    VLLM_API_KEY in its environment (vllm/envs.py:829, middleware/register.py:32-36)
+    sglang  0.5.23 takes it only as --api-key or from a --config YAML file
+            (srt/server_args.py:400-405, 683-689): `sglang_launch` feeds it that file through
+            a FIFO from AREAL_SERVER_API_KEY, so it lands neither on disk nor in argv
 """
 
 from __future__ import annotations
 
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from areal_cli.errors import UsageError
 from areal_cli.spec import ServerRole
+
+KEY_ENV = "AREAL_SERVER_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -23,12 +33,21 @@ class Backend:
     extra: str  # pip extra that installs it
     health_path: str = "/health"
     needs_gpu: bool = True
+    key_env: str = KEY_ENV  # the variable the server reads its API key from
 
     def argv(self, role: ServerRole, port: int, api_key: str | None, on_gpu: bool) -> list[str]:
+        """The replica's command line; `api_key` only says whether there is one (it goes
+        in the environment, see `env`)."""
         raise NotImplementedError
 
-    def env(self, role: ServerRole) -> dict[str, str]:
-        """Environment the replica needs on top of the caller's."""
+    def env(self, role: ServerRole, api_key: str | None = None) -> dict[str, str]:
+        """Environment the replica needs on top of the caller's, the API key included."""
+        env = self.fixed_env(role)
+        if api_key:
+            env[self.key_env] = api_key
+        return env
+
+    def fixed_env(self, role: ServerRole) -> dict[str, str]:
         return {}
 
     def check_bind(self, role: ServerRole) -> None:
@@ -47,9 +66,11 @@ class SGLang(Backend):
         cmd += ["--random-seed", str(role.seed), "--base-gpu-id", "0"]
         if not _has_flag(role.extra_args, "--mem-fraction-static"):
             cmd += ["--mem-fraction-static", "0.8"]
+        cmd += list(role.extra_args)
         if api_key:
-            cmd += ["--api-key", api_key]
-        return cmd + list(role.extra_args)
+            # Runs with our interpreter (the servers' may not have areal_cli), then execs SGLang.
+            return [sys.executable, "-m", "areal_cli.backends.sglang_launch", "--", *cmd]
+        return cmd
 
 
 class VLLM(Backend):
@@ -90,11 +111,9 @@ class VLLM(Backend):
         for flag, value in self.ARGS:
             if not _has_flag(role.extra_args, flag):
                 cmd += [flag, value]
-        if api_key:
-            cmd += ["--api-key", api_key]
         return cmd + list(role.extra_args)
 
-    def env(self, role):
+    def fixed_env(self, role):
         return {"VLLM_SERVER_DEV_MODE": "1"}
 
     def check_bind(self, role):
@@ -115,14 +134,12 @@ class HF(Backend):
         cmd += _revision(role)
         cmd += ["--host", role.host, "--port", str(port), "--seed", str(role.seed)]
         cmd += ["--device", "cuda" if on_gpu else "cpu"]
-        if api_key:
-            cmd += ["--api-key", api_key]
         return cmd + list(role.extra_args)
 
 
 BACKENDS: dict[str, Backend] = {
     "sglang": SGLang("sglang", package="sglang", extra="sglang"),
-    "vllm": VLLM("vllm", package="vllm", extra="vllm"),
+    "vllm": VLLM("vllm", package="vllm", extra="vllm", key_env="VLLM_API_KEY"),
     "hf": HF("hf", package="areal_cli.server", extra="", needs_gpu=False),
 }
 

@@ -45,7 +45,7 @@ def run_checks(
     rows += [package_row(p) for p in ("transformers", "sglang", "vllm")]
     rows += [pyspy_row(), shm_row(), nofile_row()]
     rows += registry_rows(settings.registry_url(registry))
-    rows += [leftovers_row(settings.home(home))]
+    rows += [leftovers_row(settings.home(home)), api_keys_row(settings.home(home))]
     if scheduler == "slurm":
         rows += slurm_rows(settings.home(home), settings.registry_url(registry))
     return rows
@@ -242,6 +242,44 @@ def package_row(name: str) -> Row:
                 f"pip install 'areal-cli[{name}]'",
             )
         return Row(name, FAIL, "not installed", f"pip install {name}")
+
+
+def api_keys_row(home: Path) -> Row:
+    """How each backend gets its API key, and where one still shows. No backend needs it on
+    a command line; SGLang 0.5.23 itself logs it at start (server_args, api_key included:
+    srt/entrypoints/engine.py:311), so its logs must be private."""
+    detail = (
+        "never on a command line: hf reads AREAL_SERVER_API_KEY, vLLM VLLM_API_KEY, "
+        "SGLang 0.5.23 (no variable for it) a --config YAML fed through a FIFO"
+    )
+    try:
+        metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        return Row("server API keys", PASS, detail)
+    logs = home / "logs" / settings.user()
+    if _others_reach(logs):
+        return Row(
+            "server API keys",
+            WARN,
+            detail + f"; but SGLang writes its key into its log, and others can enter {logs}",
+            f"chmod 700 {logs} (or start with AREAL_HOME on a private path)",
+        )
+    return Row("server API keys", PASS, detail + "; SGLang's logs (they hold its key) are private")
+
+
+def _others_reach(path: Path) -> bool:
+    """Whether a user other than its owner can enter `path` (every folder on the way lets
+    others pass). A path not made yet counts as its nearest existing parent."""
+    path = path.resolve()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    for p in [path, *path.parents]:
+        try:
+            if not p.stat().st_mode & 0o001:
+                return False
+        except OSError:
+            return False
+    return True
 
 
 # --------------------------------------------------------------------------- py-spy

@@ -38,14 +38,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def resolve_api_key(flag: str, host: str | None) -> str | None:
-    """`auto`: a generated key when bound beyond loopback (a host of None: not known before the
-    job runs, so beyond loopback); `none`: no key; else the key."""
+def resolve_api_key(flag: str, host: str | None = None) -> str | None:
+    """`auto`: a generated key, on loopback too (every local user reaches 127.0.0.1, and
+    could pause the servers or load other weights); `none`: no key; else the key. `host` is
+    kept for callers that pass it: where a server binds no longer decides."""
     if flag == "none":
         return None
     if flag == "auto":
-        if host is not None and is_loopback(host):
-            return None
         return secrets.token_urlsafe(24)
     return flag
 

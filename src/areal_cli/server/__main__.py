@@ -1,11 +1,15 @@
 """`python -m areal_cli.server`: the hf reference inference server.
 
     python -m areal_cli.server --model-path ./tiny --port 30000
-    python -m areal_cli.server --model-path ./tiny --port 0 --seed 1 --api-key secret
+    AREAL_SERVER_API_KEY=secret python -m areal_cli.server --model-path ./tiny --port 0 --seed 1
 
 The port is bound before the model loads, so /health answers 503 at once and 200 when the
 server is ready; then one line "ready: model=... on DEVICE at URL" goes to stdout.
 SIGTERM or SIGINT aborts running generation and exits 0 within about a second.
+
+The API key comes from the environment (AREAL_SERVER_API_KEY, removed from it once read) or
+a file readable by its owner only (--api-key-file), never from a command line that every
+local user reads in /proc/PID/cmdline; --api-key KEY remains for a quick manual try.
 
 Endpoints are listed in `app.py`; sampling and logprob semantics in `engine.py`.
 """
@@ -15,12 +19,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
+import stat
 import sys
 import time
 from typing import Any
 
 log = logging.getLogger("areal.server")
+
+KEY_ENV = "AREAL_SERVER_API_KEY"
+EXIT_USAGE = 2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -32,7 +41,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-path", required=True, help="HF checkpoint directory or hub id")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (visible in ps: prefer --api-key-file or "
+        f"{KEY_ENV})",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        help="read the key from this file, which only its owner may read (mode 600)",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument(
@@ -62,7 +81,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=600.0,
         help="seconds a weight-update group waits for its rendezvous or one broadcast",
     )
-    return p.parse_args(argv)
+    p.add_argument(
+        "--pause-timeout",
+        type=float,
+        default=120.0,
+        help="a pause that no control request follows for this many seconds ends by itself "
+        "(a trainer that died mid-sync); 0 never ends one",
+    )
+    args = p.parse_args(argv)
+    if not args.pause_timeout >= 0:
+        p.error(f"--pause-timeout {args.pause_timeout:g} is not a number of seconds >= 0")
+    return args
+
+
+class ApiKeyError(Exception):
+    """The API key could not be read as asked."""
+
+
+def read_api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else --api-key-file (a regular file of ours that nobody else may read),
+    else AREAL_SERVER_API_KEY (taken out of the environment)."""
+    from_env = os.environ.pop(KEY_ENV, None)
+    if args.api_key:
+        return args.api_key
+    if args.api_key_file:
+        path = args.api_key_file
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as e:
+            raise ApiKeyError(f"cannot open --api-key-file {path}: {e.strerror or e}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ApiKeyError(f"--api-key-file {path} is not a regular file")
+            if st.st_uid != os.getuid() or st.st_mode & 0o077:
+                raise ApiKeyError(
+                    f"--api-key-file {path} must belong to this user and be readable by it "
+                    f"only (chmod 600), not mode {stat.S_IMODE(st.st_mode):o}"
+                )
+            key = os.read(fd, 4096).decode().strip()
+        finally:
+            os.close(fd)
+        if not key:
+            raise ApiKeyError(f"--api-key-file {path} is empty")
+        return key
+    return from_env or None
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -89,7 +152,8 @@ async def serve(args: argparse.Namespace) -> int:
         weight_version=args.weight_version,
     )
     # /server_info shows the launch arguments under SGLang's names (server_args fields).
-    public_args = {k: v for k, v in vars(args).items() if k not in ("api_key", "seed")}
+    secret = ("api_key", "api_key_file", "seed")
+    public_args = {k: v for k, v in vars(args).items() if k not in secret}
     public_args["random_seed"] = args.seed
     state = ServerState(
         engine=engine,
@@ -97,6 +161,7 @@ async def serve(args: argparse.Namespace) -> int:
         args=public_args,
         served_model_name=args.served_model_name or args.model_path,
         api_key=args.api_key,
+        pause_timeout=args.pause_timeout,
     )
     runner = web.AppRunner(build_app(state), access_log=None, shutdown_timeout=1.0)
     await runner.setup()
@@ -145,6 +210,8 @@ async def serve(args: argparse.Namespace) -> int:
     await batcher.close()
     if state.updates is not None:
         state.updates.close()
+    if state.lease is not None:
+        state.lease.close()
     for task in (serving, stopper):
         task.cancel()
     await asyncio.gather(serving, stopper, return_exceptions=True)
@@ -165,6 +232,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     logging.getLogger("aiohttp").setLevel(logging.WARNING)
     args = parse_args(argv)
+    try:
+        args.api_key = read_api_key(args)
+    except ApiKeyError as e:
+        log.error("%s", e)
+        sys.exit(EXIT_USAGE)
     code: Any = asyncio.run(serve(args))
     sys.stdout.flush()
     sys.exit(code)

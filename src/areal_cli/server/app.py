@@ -5,7 +5,9 @@ Every SGLang route served here takes the same request fields, validates them the
 and answers with the same status codes and reply shapes as SGLang 0.5.23
 (srt/entrypoints/http_server.py; see protocol.py for the sources):
 
-    GET  /health /health_generate /ready      empty bodies; 503 while the model loads
+    GET  /health /health_generate /ready      empty bodies; 503 while the model loads; /ready
+                                              also while paused or after a failed health check
+    GET  /ping                                200 while healthy, paused or not (SageMaker's)
     GET  /model_info /server_info             (/get_model_info, /get_server_info: deprecated
                                               aliases SGLang still serves)
     POST /generate                            single or batch, per-token logprobs, weight
@@ -22,6 +24,10 @@ and answers with the same status codes and reply shapes as SGLang 0.5.23
 
 With an API key every route but /health*, /ready and /metrics wants `Authorization: Bearer
 KEY`, as SGLang's middleware does (srt/utils/auth.py:96-103).
+
+Beyond SGLang: a pause ends by itself once no control request came for --pause-timeout
+seconds (none running either), so a trainer that dies mid-sync cannot leave the server
+paused for good (`PauseLease`).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from aiohttp import web
 
 from areal_cli.server import protocol
 from areal_cli.server.batcher import Batcher
-from areal_cli.server.engine import Engine, GenRequest, GenResult, WeightLoadError
+from areal_cli.server.engine import Engine, GenRequest, GenResult
 from areal_cli.server.protocol import BodyError, ContractError, RequestError, field_of
 from areal_cli.server.weight_update import WeightUpdates
 
@@ -47,7 +53,68 @@ log = logging.getLogger("areal.server")
 
 UNAUTHENTICATED_PREFIXES = ("/health", "/ready", "/metrics")
 # Answered with an empty 503 while the model loads (http_server.py:714-735).
-PROBES = frozenset({"/health", "/health_generate", "/ready"})
+PROBES = frozenset({"/health", "/health_generate", "/ready", "/ping"})
+# What a trainer sends around a weight sync: each one renews a pause's lease, and a pause
+# never ends by itself while one of them runs.
+CONTROL_PATHS = frozenset(
+    {
+        "/pause_generation",
+        "/continue_generation",
+        "/update_weights_from_disk",
+        "/update_weight_version",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/begin_weight_update",
+        "/end_weight_update",
+        "/update_weights_from_distributed",
+        "/flush_cache",
+        "/abort_request",
+    }
+)
+# One answer for every path a checkpoint cannot be loaded from: whether a path exists, can be
+# read or holds a checkpoint is nobody's business but the server owner's (its log says).
+DISK_UPDATE_FAILED = "Failed to update weights: no checkpoint this server can load at model_path."
+
+
+class PauseLease:
+    """A pause that nobody continues ends by itself: `timeout` seconds after the last control
+    request, and never while one runs. SGLang has no such bound; a trainer killed between
+    /pause_generation and /continue_generation would leave it paused for good."""
+
+    def __init__(self, batcher: Batcher, timeout: float):
+        self.batcher = batcher
+        self.timeout = timeout
+        self.busy = 0
+        self.renewed = time.monotonic()
+        self.paused_at: float | None = None
+        self._watch: asyncio.Task | None = None
+
+    def renew(self) -> None:
+        self.renewed = time.monotonic()
+
+    def paused(self) -> None:
+        self.renew()
+        self.paused_at = self.renewed
+        if self.timeout > 0 and (self._watch is None or self._watch.done()):
+            self._watch = asyncio.create_task(self._expire())
+
+    async def _expire(self) -> None:
+        while self.batcher.paused:
+            left = self.renewed + self.timeout - time.monotonic()
+            if left <= 0 and not self.busy:
+                self.batcher.resume()
+                log.warning(
+                    "generation resumed by itself: paused %.0fs ago and no control request for "
+                    "%gs (--pause-timeout); the trainer that paused it is gone",
+                    time.monotonic() - (self.paused_at or self.renewed),
+                    self.timeout,
+                )
+                return
+            await asyncio.sleep(min(max(left, 0.05), 1.0))
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
 
 
 @dataclass
@@ -57,10 +124,15 @@ class ServerState:
     args: dict[str, Any]
     served_model_name: str
     api_key: str | None = None
+    pause_timeout: float = 0.0
     ready: bool = False
+    # SGLang's ServerStatus.UnHealthy: set by a health check that got no token in time,
+    # cleared by one that did (http_server.py:780-798); /ready and /ping answer 503 meanwhile.
+    unhealthy: bool = False
     started: float = field(default_factory=time.time)
     weight_updates: int = 0
     updates: WeightUpdates | None = None
+    lease: PauseLease | None = None
 
 
 STATE = web.AppKey("state", ServerState)
@@ -71,12 +143,17 @@ def build_app(state: ServerState) -> web.Application:
         state.updates = WeightUpdates(
             state.engine, state.batcher, float(state.args.get("weight_sync_timeout") or 600)
         )
-    app = web.Application(middlewares=[_errors, _auth, _readiness], client_max_size=64 << 20)
+    if state.lease is None:
+        state.lease = PauseLease(state.batcher, state.pause_timeout)
+    app = web.Application(
+        middlewares=[_errors, _auth, _readiness, _lease], client_max_size=64 << 20
+    )
     app[STATE] = state
     r = app.router
     r.add_get("/health", health)
     r.add_get("/health_generate", health)
     r.add_get("/ready", ready)
+    r.add_get("/ping", ping)
     r.add_get("/model_info", model_info)
     r.add_get("/get_model_info", model_info)
     r.add_get("/server_info", server_info)
@@ -144,6 +221,20 @@ async def _readiness(request: web.Request, handler: Any) -> web.StreamResponse:
     return await handler(request)
 
 
+@web.middleware
+async def _lease(request: web.Request, handler: Any) -> web.StreamResponse:
+    if request.path not in CONTROL_PATHS:
+        return await handler(request)
+    lease = request.app[STATE].lease
+    lease.busy += 1
+    lease.renew()
+    try:
+        return await handler(request)
+    finally:
+        lease.busy -= 1
+        lease.renew()
+
+
 async def _json(request: web.Request) -> dict[str, Any]:
     if not request.can_read_body:
         return {}
@@ -170,7 +261,14 @@ def _result(ok: bool, message: str, **extra: Any) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    return web.Response(status=200)
+    """TokenizerManager.is_ready (tokenizer_manager.py:732-734): not paused and healthy."""
+    st = request.app[STATE]
+    return web.Response(status=503 if st.batcher.paused or st.unhealthy else 200)
+
+
+async def ping(request: web.Request) -> web.Response:
+    """SageMaker's /ping (http_server.py:2189-2199): healthy, paused or not."""
+    return web.Response(status=503 if request.app[STATE].unhealthy else 200)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -190,7 +288,9 @@ async def health(request: web.Request) -> web.Response:
         await asyncio.wait_for(st.batcher.submit([probe], seeded=False), health_timeout())
     except asyncio.TimeoutError:
         log.error("health check failed: no token within %ss", health_timeout())
+        st.unhealthy = True
         return web.Response(status=503)
+    st.unhealthy = False
     return web.Response(status=200)
 
 
@@ -328,8 +428,14 @@ async def pause_generation(request: web.Request) -> web.Response:
     mode = field_of(body, "mode", "str", "abort")
     if mode not in protocol.PAUSE_MODES:
         raise BodyError("Input should be 'abort', 'retract' or 'in_place': mode")
-    await request.app[STATE].batcher.pause(mode)
-    log.info("generation paused (%s)", mode)
+    st = request.app[STATE]
+    await st.batcher.pause(mode)
+    st.lease.paused()
+    if st.lease.timeout > 0:
+        log.info("generation paused (%s); it resumes by itself after %gs without a control "
+                 "request (--pause-timeout)", mode, st.lease.timeout)  # fmt: skip
+    else:
+        log.info("generation paused (%s)", mode)
     # http_server.py:1831-1841
     return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
@@ -387,10 +493,10 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     started = time.perf_counter()
     try:
         state = await st.batcher.worker.run(st.engine.read_weights, path)
-    except WeightLoadError as e:
+    except Exception as e:  # WeightLoadError, or anything a strange path makes the loader raise
         log.warning("weight update from %s failed, keeping version %s: %s", path,
                     st.batcher.weight_version, e)  # fmt: skip
-        return _result(False, f"Failed to update weights: {e}.", num_paused_requests=0)
+        return _result(False, DISK_UPDATE_FAILED, num_paused_requests=0)
     old = st.batcher.weight_version
     await st.batcher.swap_weights(state, path, None)
     st.weight_updates += 1

@@ -15,6 +15,7 @@ import os
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from areal_cli import logfiles, settings
 from areal_cli.errors import UsageError
@@ -30,7 +31,9 @@ from areal_cli.schedulers.api import (
     StopResult,
 )
 from areal_cli.schedulers.local import records
-from areal_cli.spec import JobSpec
+
+if TYPE_CHECKING:
+    from areal_cli.spec import JobSpec
 
 
 class LocalScheduler(Scheduler):
@@ -141,6 +144,8 @@ class LocalScheduler(Scheduler):
                 state = "dead"  # supervisor and watchdog both gone without a word
             if include_ended or state in records.LIVE:
                 rows.append((rec, state))
+        if not rows:
+            return []
         here = settings.hostname()
         probes = [
             p.addr
@@ -149,10 +154,16 @@ class LocalScheduler(Scheduler):
             if p.role == "server" and p.addr and rec.host == here and state in records.LIVE
         ]
         health: dict[str, bool] = {}
+        paused: dict[str, bool] = {}
         if probes:
+            from concurrent.futures import ThreadPoolExecutor
+
             from areal_cli import discovery  # threads and http.client: only to probe servers
 
-            health = discovery.healthy(probes, timeout=1.0)
+            with ThreadPoolExecutor(max_workers=1) as ex:
+                asked = ex.submit(_paused_servers, rows, here)
+                health = discovery.healthy(probes, timeout=1.0)
+                paused = asked.result()
         out = []
         ranks = _live_ranks([rec for rec, state in rows if state in records.LIVE])
         for rec, state in rows:
@@ -160,6 +171,7 @@ class LocalScheduler(Scheduler):
                 ServerStatus(
                     addr=p.addr, healthy=bool(health.get(p.addr)), pid=p.server_pid or p.pid,
                     gpus=p.gpus, node=rec.host, exit_code=p.exit_code,
+                    paused=paused.get(p.addr, False),
                 )
                 for p in rec.processes
                 if p.role == "server" and p.addr
@@ -263,8 +275,34 @@ class LocalScheduler(Scheduler):
         return records.load(self.home, handle.experiment, handle.trial, handle.kind)
 
 
+def _paused_servers(rows: list, here: str) -> dict[str, bool]:
+    """addr → paused, for the live servers of these jobs that registered once (a server still
+    loading is not ready either, and not paused)."""
+    from areal_cli import apikeys, control
+
+    asks = []
+    for rec, state in rows:
+        if rec.host != here or state not in records.LIVE:
+            continue
+        held = apikeys.load(rec.api_key_file) if rec.api_key_file else None
+        key = held[1] if held and held[0] == rec.marker else None
+        for p in rec.processes:
+            backend = control.backend_of(p.argv)
+            if p.role == "server" and p.addr and p.server_pid and backend:
+                asks.append((p.addr, backend, key))
+    if not asks:
+        return {}
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(32, len(asks))) as ex:
+        got = ex.map(lambda a: control.paused(a[0], a[1], a[2], timeout=1.0), asks)
+        return {a[0]: flag is True for a, flag in zip(asks, got, strict=True)}
+
+
 def _live_ranks(recs: list[records.JobRecord]) -> dict[str, tuple[int, int]]:
     """marker → (ranks alive, world size) from the registry's rank table, per training job."""
+    if not any(rec.kind != "serve" for rec in recs):
+        return {}
     from areal_cli.errors import ArealError
     from areal_cli.parallel import ParallelDims
     from areal_cli.registry import open_registry

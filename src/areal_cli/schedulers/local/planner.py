@@ -124,7 +124,7 @@ def _plan_servers(p, role: ServerRole, inventory, free, held, log_dir, check_pac
         env = {
             "CUDA_VISIBLE_DEVICES": inventory.visible(slice_) if on_gpu else "",
             "PYTHONUNBUFFERED": "1",
-            **backend.env(role),
+            **backend.env(role, p.api_key),
         }
         p.processes.append(
             ProcessPlan(

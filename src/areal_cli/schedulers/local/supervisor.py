@@ -14,7 +14,7 @@ it. In the foreground the supervisor follows the log files for the terminal.
 
 The supervisor never prints. It reports through callbacks:
     on_event(kind, info)   "spawned" | "healthy" | "ready" | "server_lost" | "trainer_exit" |
-                           "stopping"
+                           "stopping" | "resumed" (servers a stopped trainer left paused)
     on_line(label, line)   a line of a log ("server-0", "rank-1", "torchrun")
 and raises LaunchError (exit 1) or WaitTimeout (exit 3) for the first failure, root cause first.
 
@@ -122,8 +122,12 @@ class Supervisor:
         self._start_record()
         self._start_reaper()
         if self.on_line is not None:
+            # Only this job's own logs: a training job shares its folder with the servers.
+            roles = (("server",) if self.plan.servers else ()) + (
+                ("rank", "torchrun") if self.plan.trainers else ()
+            )
             self._follower = logfiles.follow_in_background(
-                Path(self.plan.log_dir), self._line, self._follow_stop
+                Path(self.plan.log_dir), self._line, self._follow_stop, roles
             )
         error: ArealError | None = None
         code = 0
@@ -327,6 +331,7 @@ class Supervisor:
         # Reaped processes' pids may already belong to someone else: only live ones are roots.
         live = [p.popen.pid for p in self.procs if p.popen.poll() is None]
         procs.kill_job(self.plan.marker, live, grace=5.0)
+        self._resume_servers()
         for proc in self.procs:
             try:
                 proc.popen.wait(timeout=2)
@@ -355,6 +360,20 @@ class Supervisor:
             self.record.exit_code = code
             records.write(self.home, self.record)
         self.claim.release()
+
+    def _resume_servers(self) -> None:
+        """A trainer stopped mid-sync leaves the servers it used paused, and they outlive it
+        (another job started them): now that it is gone, resume those that are paused."""
+        from areal_cli import control
+
+        ours = {p.addr for p in self.plan.servers}  # stopped with this job anyway
+        for t in self.plan.trainers:
+            addrs = [a for a in t.env.get("AREAL_LLM_SERVER_ADDRS", "").split(",") if a]
+            addrs = [a for a in addrs if a not in ours]
+            backend = t.env.get("AREAL_SERVER_BACKEND") or "sglang"
+            resumed = control.resume_paused(addrs, backend, t.env.get("AREAL_API_KEY"), 3.0)
+            if resumed:
+                self.on_event("resumed", {"servers": resumed})
 
     def _start_record(self) -> None:
         me = os.getpid()
