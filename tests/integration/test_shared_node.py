@@ -422,13 +422,13 @@ def test_two_starts_at_once_one_runs_the_other_is_refused_at_once(model):
 def test_a_stopped_supervisor_neither_drops_nor_freezes_its_servers(model, areal_env):
     home, reg = areal_env
     env = {**os.environ, "FAKE_REAL_PYTHON": sys.executable, "AREAL_REGISTRY_TTL": "2",
-           "FAKE_SERVER_CHATTY": str(4 << 20)}  # fmt: skip
+           "FAKE_SERVER_CHATTY": str(1 << 20), "FAKE_SERVER_CHATTY_DELAY": "1"}  # fmt: skip
     fg = subprocess.Popen([AREAL, *fake_serve_args(model)], env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         assert _wait(lambda: len(FileRegistry(reg).list().servers) == 1, 60)
         fg.send_signal(signal.SIGSTOP)  # what Ctrl-Z does to a foreground job
-        time.sleep(5)  # more than twice the TTL
+        time.sleep(5)  # more than twice the TTL; the server logs 1 MiB meanwhile
         (entry,) = FileRegistry(reg).list().servers
         host, port = entry.addr.rsplit(":", 1)
         assert _answers(int(port))
@@ -437,11 +437,11 @@ def test_a_stopped_supervisor_neither_drops_nor_freezes_its_servers(model, areal
         tr = json.loads(res.stdout)["processes"][0]
         assert tr["env"]["AREAL_LLM_SERVER_ADDRS"] == entry.addr
         log = next((home / "logs").rglob("server-0.log"))
-        assert log.stat().st_size > 4 << 20  # 4 MiB written past a suspended reader
+        assert log.stat().st_size > 1 << 20  # 16 pipe buffers past a suspended reader
     finally:
         fg.send_signal(signal.SIGCONT)
         fg.send_signal(signal.SIGINT)
-        fg.wait(60)
+        fg.wait(120)
 
 
 # -- 8. stop with nothing alive ------------------------------------------------------------

@@ -20,7 +20,7 @@ from areal_cli.spec import Plan
 def spawn_detached(plan: Plan, home: Path, claim: records.Claim) -> subprocess.Popen:
     """Start the supervisor daemon; it inherits the claim's locks."""
     settings.ensure_dir(plan.log_dir)
-    log = open(supervisor_log(plan), "wb")  # noqa: SIM115 - handed to the child
+    log = os.fdopen(logfiles.fresh_log(supervisor_log(plan)), "wb")  # handed to the child
     env = {k: v for k, v in os.environ.items() if k != procs.MARKER_ENV}
     argv = [sys.executable, "-m", "areal_cli.schedulers.local.supervisor", str(claim.plan_file)]
     argv += ["--home", str(home)]

@@ -36,20 +36,20 @@ def cleanup(marker: str, home: Path, experiment: str, trial: str, registry: str)
     from areal_cli.registry import open_registry
     from areal_cli.schedulers.local import records as jobs
 
+    # The record first: from now on `ps` says what happened, not "dead".
+    try:
+        for rec in jobs.load_all(home, experiment, trial):
+            if rec.marker == marker and rec.state in jobs.LIVE:
+                rec.state = "killed"
+                rec.message = "the supervisor died; the watchdog tore the job down"
+                jobs.write(home, rec)
+    except Exception:
+        pass
     procs.kill_job(marker, grace=3.0)
     try:
         open_registry(registry).deregister_job(experiment, trial, marker)
     except Exception:
         pass  # entries expire with their lease or heartbeat anyway
-    try:
-        recs = jobs.load_all(home, experiment, trial)
-    except Exception:
-        return
-    for rec in recs:
-        if rec.marker == marker and rec.state in jobs.LIVE:
-            rec.state = "killed"
-            rec.message = "the supervisor died; the watchdog tore the job down"
-            jobs.write(home, rec)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -152,15 +152,20 @@ class SlurmScheduler(Scheduler):
             except (ArealError, OSError):
                 entries, ranks = [], []
             health: dict[str, bool] = {}
+            paused: dict[str, bool | None] = {}
             if entries:
-                from areal_cli import discovery
+                from areal_cli import apikeys, control, discovery
 
                 health = discovery.healthy([e.addr for e in entries], timeout=1.0)
+                held = apikeys.load(rec.api_key_file) if rec.api_key_file else None
+                key = held[1] if held and held[0] == rec.marker else None
+                backend = entries[0].backend or "sglang"
+                paused = control.paused_all([e.addr for e in entries], backend, key, 1.0)
             order = _replica_order(rec)
             entries.sort(key=lambda e: order.get(e.addr, len(order)))
             servers = [
                 ServerStatus(addr=e.addr, healthy=bool(health.get(e.addr)), pid=e.pid,
-                             gpus=e.gpus, node=e.node)
+                             gpus=e.gpus, node=e.node, paused=paused.get(e.addr) is True)
                 for e in entries
             ]  # fmt: skip
             if state == "running" and len(entries) < rec.replicas:

@@ -213,8 +213,31 @@ def finish(rec: SlurmRecord, home: Path, info: cluster.JobInfo | None) -> int:
     except (ArealError, OSError):
         pass  # the entries' leases run out anyway
     sweep(rec.marker)
+    _resume_servers(rec)
     records.write(home, rec)
     return gone
+
+
+def _resume_servers(rec: SlurmRecord) -> None:
+    """A trainer that ended mid-sync leaves the servers it used paused, and those outlive it
+    when another job started them: resume the ones that are paused."""
+    if rec.kind == "serve":
+        return
+    from areal_cli import control
+    from areal_cli.spec import Plan
+
+    try:
+        plan = Plan.from_json(json.loads((Path(rec.run_dir) / PLAN_FILE).read_text()))
+    except (OSError, ValueError, TypeError):
+        return
+    ours = {p.addr for p in plan.servers}
+    for t in plan.trainers:
+        addrs = [
+            a for a in t.env.get("AREAL_LLM_SERVER_ADDRS", "").split(",") if a and a not in ours
+        ]
+        if addrs:
+            backend = t.env.get("AREAL_SERVER_BACKEND") or "sglang"
+            control.resume_paused(addrs, backend, t.env.get("AREAL_API_KEY"), 3.0)
 
 
 def sweep(marker: str) -> int:
