@@ -20,7 +20,7 @@ demo: install
 	bash scripts/demo.sh
 
 test: install lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 lint: install
 	$(BIN)/ruff check .

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,8 +21,10 @@ pytest_plugins = ["services"]
 def our_processes(home: Path) -> list[psutil.Process]:
     """Live processes this test started: pytest's descendants, and anything (daemons,
     orphaned torchrun workers) that inherited this test's private AREAL_HOME."""
+    from services import SESSION_DAEMONS
+
     me = psutil.Process()
-    found = {p.pid: p for p in me.children(recursive=True)}
+    found = {p.pid: p for p in me.children(recursive=True) if p.pid not in SESSION_DAEMONS}
     needle = str(home)
     for p in psutil.process_iter(["pid"]):
         if p.pid in found or p.pid == me.pid:
@@ -47,6 +50,9 @@ def areal_env(tmp_path, monkeypatch):
     monkeypatch.setenv("AREAL_HOME", str(home))
     monkeypatch.setenv("AREAL_REGISTRY", str(reg))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    # Tests run in parallel workers (pytest -n): each scans its own range for server ports.
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    monkeypatch.setenv("AREAL_PORT_BASE", str(30000 + 2000 * int(worker.removeprefix("gw") or 0)))
     return home, reg
 
 

@@ -63,6 +63,11 @@ ENDED = {
 }
 
 
+# Daemons of session fixtures: they outlive the test that happened to start them first, so
+# the per-test leak check (conftest.py) must not count them; the session's end stops them.
+SESSION_DAEMONS: set[int] = set()
+
+
 def _which(name: str) -> str | None:
     return shutil.which(name, path=f"{os.environ.get('PATH', '')}:{SYSTEM_PATH}")
 
@@ -659,7 +664,9 @@ def etcd_server(tmp_path_factory):
     if reason:
         pytest.skip(reason)
     server = EtcdServer(tmp_path_factory.mktemp("etcd")).start()
+    SESSION_DAEMONS.add(server.pid)
     yield server
+    SESSION_DAEMONS.discard(server.pid)
     server.stop()
 
 

@@ -47,6 +47,19 @@ def registry_url(override: str | Path | None = None) -> str:
     return str(Path(raw).expanduser().resolve())
 
 
+def port_base(default: int) -> int:
+    """AREAL_PORT_BASE: where the search for free server ports starts when --port-base is not
+    given (users sharing a node can keep apart this way)."""
+    from areal_cli.errors import UsageError
+
+    raw = os.environ.get("AREAL_PORT_BASE")
+    if not raw:
+        return default
+    if not raw.isdigit() or not 1024 <= int(raw) <= 65000:
+        raise UsageError(f"AREAL_PORT_BASE={raw!r} is not a port in 1024..65000")
+    return int(raw)
+
+
 def registry_ttl() -> float:
     """AREAL_REGISTRY_TTL: seconds a registered server or rank outlives its last renewal
     (renewed every third of it). Shorter drops dead hosts sooner and costs more writes."""

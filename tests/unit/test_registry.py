@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from services import etcd_missing
 
 from areal_cli import settings
 from areal_cli.errors import UsageError
@@ -66,14 +65,6 @@ def _file_backend(root: Path) -> Backend:
         os.chmod(root / USER, 0o700)
 
     return Backend(open_registry(str(root)), areal_read, raw_put, short_ttl=0.5, expiry_slack=0)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _session_etcd_first(request):
-    """The leak check counts processes started during a test: the session's etcd, requested
-    here by parameter rather than by name, must start before any test does."""
-    if etcd_missing() is None:
-        request.getfixturevalue("etcd_server")
 
 
 @pytest.fixture(params=["file", pytest.param("etcd", marks=pytest.mark.etcd)])

@@ -196,7 +196,8 @@ def _ports(role: ServerRole, n: int, busy: set[int]) -> list[int]:
     if role.port_base is None:
         # Servers bind their port only after loading the model: ports of jobs still
         # starting are taken too, though nothing listens on them yet.
-        return procs.free_ports(n, role.host, start=DEFAULT_PORT_BASE, avoid=busy)
+        start = settings.port_base(DEFAULT_PORT_BASE)
+        return procs.free_ports(n, role.host, start=start, avoid=busy)
     ports = list(range(role.port_base, role.port_base + n))
     for port in ports:
         if port > 65535:
