@@ -46,8 +46,8 @@ def _wait(pred, timeout: float, step: float = 0.05):
     return pred()
 
 
-def serve(tiny: Path, *extra: str, env: dict | None = None) -> list[dict]:
-    out = areal("serve", "--backend", "hf", "--model", str(tiny), "--alloc", "hf:d2", "--detach",
+def serve(tiny: Path, *extra: str, env: dict | None = None, alloc: str = "hf:d2") -> list[dict]:
+    out = areal("serve", "--backend", "hf", "--model", str(tiny), "--alloc", alloc, "--detach",
                 "--json", *extra, check=0, timeout=240, env=env)  # fmt: skip
     return json.loads(out.stdout)["servers"]
 
@@ -139,7 +139,7 @@ def test_paused_and_resume_speak_each_backend(tiny, tmp_path):
 @pytest.mark.parametrize("how", ["rank 0 SIGKILL", "areal train SIGTERM"])
 def test_a_trainer_stopped_mid_sync_leaves_no_server_paused(tiny, areal_env, tmp_path, how):
     home, _ = areal_env
-    servers = serve(tiny)
+    servers = serve(tiny, alloc="hf:d1")
     addrs = [s["addr"] for s in servers]
     key = job_key(home)
     env = {**os.environ, "MARK_DIR": str(tmp_path), "COLUMNS": "200"}
@@ -164,6 +164,8 @@ def test_a_trainer_stopped_mid_sync_leaves_no_server_paused(tiny, areal_env, tmp
         assert "resumed" in err and all(a in err for a in addrs), err[-3000:]
         assert ps_paused() == dict.fromkeys(addrs, False)
         print(f"\n{how}: servers generate again {back_after:.1f}s after the kill")
+        if how != "rank 0 SIGKILL":
+            return  # one follow-up run is enough for both
         # The next training run finds the servers and trains (it does not hang at step 0).
         res = areal("train", "--alloc", "fsdp:d1", TRAIN, "--config", CONFIG, "steps=2",
                     "prompts_per_step=2", "group_size=2", check=0, timeout=300)  # fmt: skip
@@ -217,7 +219,7 @@ def test_a_hung_replica_costs_seconds_not_minutes(tiny, areal_env):
     alive, hung = servers[0], servers[1]
     log_dir = home / "logs" / settings.user() / "default" / "trial0"
     metrics = log_dir / "metrics.jsonl"
-    args = ["steps=40", "prompts_per_step=4", "group_size=4", "stall_timeout=2",
+    args = ["steps=25", "prompts_per_step=4", "group_size=4", "stall_timeout=2",
             "probe_timeout=2", "control_timeout=60", "sync_timeout=60"]  # fmt: skip
     train = subprocess.Popen([AREAL, "train", "--alloc", "fsdp:d1", TRAIN, "--config", CONFIG,
                               *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -242,7 +244,7 @@ def test_a_hung_replica_costs_seconds_not_minutes(tiny, areal_env):
         out, err = train.communicate(timeout=300)
         assert train.returncode == 0, err[-3000:]
         done = rows()
-        assert [r["step"] for r in done] == list(range(40))
+        assert [r["step"] for r in done] == list(range(25))
         after = done[before:]
         worst = max(r["step_time_s"] for r in after)
         assert worst < 30, [r["step_time_s"] for r in after]  # not the 600 s timeout

@@ -69,20 +69,20 @@ def run_trainer(cmd: list[str], timeout: float = 240) -> list[dict]:
     return [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
 
 
-@pytest.mark.parametrize("flatten", [False, True], ids=["per-tensor", "flattened_bucket"])
-def test_distributed_sync_reaches_every_replica_and_reuses_its_group(models, tmp_path, flatten):
+def test_distributed_sync_reaches_every_replica_and_reuses_its_group(models, tmp_path):
     servers = start(models["tiny"], tmp_path, 2)
     try:
         before = [greedy(s) for s in servers]
-        extra = ["--flatten"] if flatten else []
-        lines = run_trainer(trainer(models["tiny"], servers, "--syncs", "3", *extra))
-        assert [x["ok"] for x in lines] == [True, True, True], lines
-        for s in servers:
-            assert version(s) == "3"
-            assert greedy(s) == lines[-1]["expected"] != before[0]
-            # One group for every sync: the rendezvous ran once per server.
-            assert s.log().count("init custom process group") == 1
-            assert s.log().count("weights updated from distributed") == 3
+        # Tensor by tensor (what gloo takes), then one trainer more sending flattened buckets
+        # (what nccl takes): each trainer makes one group and reuses it for its syncs.
+        for run, extra in enumerate([[], ["--flatten"]], start=1):
+            lines = run_trainer(trainer(models["tiny"], servers, "--syncs", "3", *extra))
+            assert [x["ok"] for x in lines] == [True, True, True], (extra, lines)
+            for s in servers:
+                assert version(s) == "3"
+                assert greedy(s) == lines[-1]["expected"] != before[0]
+                assert s.log().count("init custom process group") == run
+                assert s.log().count("weights updated from distributed") == 3 * run
     finally:
         for s in servers:
             s.stop()
@@ -240,7 +240,12 @@ SGLANG_RECEIVER = textwrap.dedent("""
     torch.distributed.broadcast(flat, src=0, group=pg)
     a = flat[: nbytes[0]].view(torch.float32).reshape(3, 4)
     b = flat[nbytes[0]:].view(torch.bfloat16).reshape(5)
-    print(json.dumps([a.sum().item(), b.float().sum().item()]))
+    print(json.dumps([a.sum().item(), b.float().sum().item()]), flush=True)
+    # The stand-in's own teardown is not under test: gloo may abort ("terminate called
+    # without an active exception") when its pairs are torn down while the peer is
+    # still connected, so leave without running destructors.
+    import os
+    os._exit(0)
 """)
 
 

@@ -264,6 +264,29 @@ def test_concurrent_registration_from_several_processes(reg):
     assert all(e.managed and e.pid == os.getpid() for e in listing.servers)
 
 
+_PROBER = """
+import sys
+from areal_cli.registry import open_registry
+reg = open_registry(sys.argv[1])
+for _ in range(int(sys.argv[2])):
+    reg.probe()
+"""
+
+
+def test_concurrent_probes_on_a_fresh_root_never_pull_folders_from_under_each_other(tmp_path):
+    # Two `areal serve` started together each probe the registry; one probe's cleanup
+    # once removed the folders the other was writing into (ENOENT: "cannot write the
+    # registry").
+    url = str(tmp_path / "fresh")
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _PROBER, url, "150"], stderr=subprocess.PIPE)
+        for _ in range(3)
+    ]
+    errs = [p.communicate(timeout=60)[1].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], errs
+    assert FileRegistry(url).list("e", "t").servers == []
+
+
 # -- URLs -------------------------------------------------------------------------------------
 
 
@@ -331,7 +354,8 @@ def test_file_layout_on_disk(tmp_path):
     assert os.listdir(d) == ["ENTRY"] and (d / "ENTRY").read_text() == "127.0.0.1:30000"
     assert sorted(os.listdir(tmp_path / USER / "e" / "t")) == ["areal", "gen_servers"]
     reg.deregister("e", "t", "127.0.0.1_30000")
-    assert not (tmp_path / USER).exists()  # empty parents pruned
+    # Empty parents are pruned up to the user's folder, which keeps its ownership.
+    assert os.listdir(tmp_path / USER) == []
 
 
 def test_the_user_directory_is_private_and_the_root_shared(tmp_path):

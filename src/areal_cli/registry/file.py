@@ -70,11 +70,18 @@ class FileRegistry(Registry):
 
     def _put(self, key: str, value: str, lease: str | None = None) -> None:
         path = self.root / key / ENTRY
-        self._make_dirs(path.parent)
         # The temp file sits in the parent, not beside ENTRY: AReaL's reader would skip a
         # directory holding two files, and ours would call it half-written.
         tmp = path.parent.parent / f".{path.parent.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        for attempt in range(5):
+            try:
+                self._make_dirs(path.parent)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+                break
+            except FileNotFoundError:
+                # Another writer's delete pruned the (then empty) folders on our way.
+                if attempt == 4:
+                    raise
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(value)
@@ -87,7 +94,8 @@ class FileRegistry(Registry):
         d = self.root / key
         shutil.rmtree(d, ignore_errors=True)
         d = d.parent
-        while d != self.root and self.root in d.parents:
+        # The user's own folder stays: it carries the ownership readers check.
+        while d != self.root / self.user and self.root in d.parents:
             try:
                 d.rmdir()
             except OSError:

@@ -294,7 +294,9 @@ class Supervisor:
                     )
                     if not trainers and all(p.lost for p in self.procs if p.plan.role == "server"):
                         raise self._failure(proc, code, "(no replica left)")
-            self.changed.wait()
+            # Bounded: a signal the kernel hands to another thread (SIGINT right after a
+            # SIGCONT) runs its Python handler only when this thread next wakes.
+            self.changed.wait(0.5)
             self.changed.clear()
         return self.stop_code
 
