@@ -81,7 +81,9 @@ def main() -> int:
     hangs = {k: sum(n for v, n in c.items() if "(hang)" in v or "error" in v)
              for k, c in counts.items()}  # fmt: skip
     print(f"doctor_healthy_hang_verdicts[samples=1]: {hangs['samples=1']}/{ASKS}   (baseline)")
-    ok = report("doctor_healthy_hang_verdicts[default]", hangs["default"], "0", hangs["default"] == 0)
+    ok = report(
+        "doctor_healthy_hang_verdicts[default]", hangs["default"], "0", hangs["default"] == 0
+    )
     return 0 if ok else 1
 
 
