@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml
 demo: install
 	bash scripts/demo.sh
 
+# Three workers on two cores: many tests wait on processes. Bytecode is cached (whatever
+# PYTHONDONTWRITEBYTECODE says) because the tests start hundreds of interpreters.
 test: install lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 3 --dist loadfile
 
 lint: install
 	$(BIN)/ruff check .

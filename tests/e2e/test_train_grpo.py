@@ -41,9 +41,10 @@ def serve(tiny, *extra):
 
 
 # The reward of the toy task rises from about 0.02 to above 0.9 within 12 steps (the demo
-# runs 25). The disk path runs fewer: the logprob gap below shows its weights arriving.
-@pytest.mark.parametrize("method, steps", [("distributed", 12), ("disk", 6)])
-def test_serve_then_train_learns_through_weight_sync(tiny, areal_env, method, steps):
+# runs 25), with either way of syncing the weights.
+@pytest.mark.parametrize("method", ["distributed", "disk"])
+def test_serve_then_train_learns_through_weight_sync(tiny, areal_env, method):
+    steps = 12
     home, _ = areal_env
     (server,) = serve(tiny)
     try:
@@ -57,9 +58,8 @@ def test_serve_then_train_learns_through_weight_sync(tiny, areal_env, method, st
         assert [r["step"] for r in rows] == list(range(steps))
         rewards = [r["reward_mean"] for r in rows]
         assert all(0.0 <= x <= 1.0 for x in rewards)
-        if method == "distributed":
-            gain = sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5
-            assert gain >= 0.2, rewards
+        gain = sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5
+        assert gain >= 0.2, rewards
         # The new weights really reached the server: its version is the last step's.
         key = json.loads(apikeys.key_file(home, "default", "trial0").read_text())["key"]
         req = urllib.request.Request(f"http://{server['addr']}/model_info")
@@ -73,8 +73,9 @@ def test_serve_then_train_learns_through_weight_sync(tiny, areal_env, method, st
 
 
 def _train_in_background(steps: int) -> subprocess.Popen:
+    # One rank: what is tested here is the servers' side (the seed flow above has two).
     return subprocess.Popen(
-        [AREAL, "train", "--alloc", "fsdp:d2", TRAIN, "--config", CONFIG, f"steps={steps}"],
+        [AREAL, "train", "--alloc", "fsdp:d1", TRAIN, "--config", CONFIG, f"steps={steps}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 

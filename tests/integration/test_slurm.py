@@ -166,7 +166,7 @@ def test_logs_read_the_files_on_the_shared_filesystem(served):
 
 def test_train_runs_grpo_across_both_nodes_and_the_reward_rises(served):
     res = served.areal("train", *SLURM, "--alloc", "fsdp:d2", "--gpus-per-node", "1",
-                       TRAIN, "--config", CONFIG, "steps=12", timeout=420)  # fmt: skip
+                       TRAIN, "--config", CONFIG, "steps=16", timeout=420)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     assert "training finished with exit code 0" in res.stderr
     assert "running Slurm job" in res.stderr
@@ -176,7 +176,7 @@ def test_train_runs_grpo_across_both_nodes_and_the_reward_rises(served):
     assert "2 rank(s)" in (logs / "rank-0.log").read_text()
     rows = [json.loads(x) for x in (logs / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rewards = [r["reward_mean"] for r in rows]
-    assert len(rows) == 12
+    assert len(rows) == 16
     assert sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5 >= 0.2, rewards
     rec = record(served.home, "train")
     assert rec["state"] == "stopped" and rec["exit_code"] == 0

@@ -354,13 +354,27 @@ class _Client:
                     if reused and attempt == 0 and isinstance(e, _HUNG_UP):
                         continue
                     if (
-                        isinstance(e, http.client.RemoteDisconnected)
+                        # etcd hangs up on plain HTTP at a TLS-only port: a close or a reset,
+                        # as the timing falls
+                        isinstance(e, (http.client.RemoteDisconnected, ConnectionResetError))
                         and self._ssl is None
                         and self._speaks_tls(host, port)
                     ):
                         raise UsageError(
                             f"etcd at {self.url} speaks TLS only ({_hostport(host, port)})",
                             hint="add ?ca=/path/to/ca.pem (or ?tls=1) to the URL",
+                        ) from None
+                    if (
+                        isinstance(e, ConnectionResetError)
+                        and self._ssl is not None
+                        and not self._speaks_tls(host, port)
+                    ):
+                        # A plain etcd answers a TLS hello with a reset as often as with a
+                        # reply that fails the handshake.
+                        raise UsageError(
+                            f"etcd at {self.url}: TLS with {_hostport(host, port)} failed "
+                            "(it does not speak TLS)",
+                            hint="drop ca=/tls= if that etcd serves plain HTTP",
                         ) from None
                     failures.append(f"{_hostport(host, port)}: {_why(e)}")
                     break
