@@ -14,6 +14,11 @@ REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 AREAL = str(VENV_BIN / "areal")
 
+# Three test workers share this machine's cores with every server and rank they start: one
+# OpenMP thread each, or their thread pools spin against each other (about a sixth of the
+# suite's CPU time).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Real Slurm and etcd daemons: fixtures and the `slurm` / `etcd` markers (tests/services.py).
 pytest_plugins = ["services"]
 

@@ -143,7 +143,7 @@ def test_a_trainer_stopped_mid_sync_leaves_no_server_paused(tiny, areal_env, tmp
     addrs = [s["addr"] for s in servers]
     key = job_key(home)
     env = {**os.environ, "MARK_DIR": str(tmp_path), "COLUMNS": "200"}
-    train = subprocess.Popen([AREAL, "train", "--alloc", "fsdp:d2", PAUSER], env=env,
+    train = subprocess.Popen([AREAL, "train", "--alloc", "fsdp:d1", PAUSER], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         assert _wait(lambda: (tmp_path / "rank-0.pid").exists(), 120), train.stderr

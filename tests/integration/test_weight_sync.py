@@ -43,6 +43,15 @@ def start(model: Path, log_dir: Path, n: int, *args: str) -> list[HfServer]:
     return servers
 
 
+@pytest.fixture(scope="module")
+def tiny_server(models, tmp_path_factory):
+    """One server of the tiny model for the tests that leave it running: each sync replaces
+    every weight, so no test depends on what an earlier one loaded."""
+    (srv,) = start(models["tiny"], tmp_path_factory.mktemp("tiny-server"), 1)
+    yield srv
+    srv.stop()
+
+
 def greedy(srv: HfServer) -> list[int]:
     status, body = srv.post("/generate", {"input_ids": PROMPT, "sampling_params": GREEDY})
     assert status == 200, body
@@ -88,26 +97,18 @@ def test_distributed_sync_reaches_every_replica_and_reuses_its_group(models, tmp
             s.stop()
 
 
-def test_fsdp_ranks_over_torchrun_sync_the_gathered_model(models, tmp_path):
-    servers = start(models["tiny"], tmp_path, 1)
-    try:
-        lines = run_trainer(trainer(models["tiny"], servers, "--syncs", "2", nproc=2))
-        assert [x["ok"] for x in lines] == [True, True], lines
-        assert version(servers[0]) == "2" and greedy(servers[0]) == lines[-1]["expected"]
-    finally:
-        servers[0].stop()
+def test_fsdp_ranks_over_torchrun_sync_the_gathered_model(models, tiny_server):
+    lines = run_trainer(trainer(models["tiny"], [tiny_server], "--syncs", "2", nproc=2))
+    assert [x["ok"] for x in lines] == [True, True], lines
+    assert version(tiny_server) == "2" and greedy(tiny_server) == lines[-1]["expected"]
 
 
-def test_disk_sync_sends_the_version_and_reads_it_back(models, tmp_path):
-    servers = start(models["tiny"], tmp_path, 1)
-    try:
-        cmd = trainer(models["tiny"], servers, "--method", "disk",
-                      "--weights-dir", str(tmp_path / "w"))  # fmt: skip
-        (line,) = run_trainer(cmd)
-        assert line["ok"] and line["version"] == "1", line
-        assert version(servers[0]) == "1" and greedy(servers[0]) == line["expected"]
-    finally:
-        servers[0].stop()
+def test_disk_sync_sends_the_version_and_reads_it_back(models, tiny_server, tmp_path):
+    cmd = trainer(models["tiny"], [tiny_server], "--method", "disk",
+                  "--weights-dir", str(tmp_path / "w"))  # fmt: skip
+    (line,) = run_trainer(cmd)
+    assert line["ok"] and line["version"] == "1", line
+    assert version(tiny_server) == "1" and greedy(tiny_server) == line["expected"]
 
 
 def test_a_server_killed_mid_broadcast_is_named_and_the_sync_goes_on_without_it(models, tmp_path):
@@ -275,13 +276,10 @@ def test_our_group_meets_sglangs_own_group_helper(tmp_path):
         proc.wait()
 
 
-def test_a_session_left_open_by_a_dead_trainer_does_not_block_the_next(models, tmp_path):
-    (srv,) = start(models["tiny"], tmp_path, 1)
-    try:
-        # What a trainer killed between /begin_weight_update and /end_weight_update leaves.
-        assert srv.post("/begin_weight_update", {})[0] == 200
-        (line,) = run_trainer(trainer(models["tiny"], [srv]))
-        assert line["ok"], line
-        assert version(srv) == "1" and greedy(srv) == line["expected"]
-    finally:
-        srv.stop()
+def test_a_session_left_open_by_a_dead_trainer_does_not_block_the_next(models, tiny_server):
+    srv = tiny_server
+    # What a trainer killed between /begin_weight_update and /end_weight_update leaves.
+    assert srv.post("/begin_weight_update", {})[0] == 200
+    (line,) = run_trainer(trainer(models["tiny"], [srv]))
+    assert line["ok"], line
+    assert version(srv) == "1" and greedy(srv) == line["expected"]

@@ -22,8 +22,10 @@ user manages to put into a folder, a file they made is never read as ours.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import stat
+import time
 import uuid
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from areal_cli.registry.api import Registry, Skip
 
 ENTRY = "ENTRY"
 MAX_VALUE = 64 * 1024  # entries are a few hundred bytes; anything bigger is not ours
+ATTEMPTS = 50  # to write while other writers prune the folders on the way
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
@@ -73,15 +76,17 @@ class FileRegistry(Registry):
         # The temp file sits in the parent, not beside ENTRY: AReaL's reader would skip a
         # directory holding two files, and ours would call it half-written.
         tmp = path.parent.parent / f".{path.parent.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-        for attempt in range(5):
+        for attempt in range(ATTEMPTS):
             try:
                 self._make_dirs(path.parent)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
                 break
             except FileNotFoundError:
-                # Another writer's delete pruned the (then empty) folders on our way.
-                if attempt == 4:
+                # Another writer's delete pruned the (then empty) folders on our way: try
+                # again after it, at a random moment so that two writers do not keep meeting.
+                if attempt == ATTEMPTS - 1:
                     raise
+                time.sleep(random.uniform(0, 0.002 * (attempt + 1)))
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(value)
