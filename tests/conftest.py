@@ -108,10 +108,11 @@ def pytest_collection_modifyitems(config, items):
     gpu_items = [i for i in items if i.get_closest_marker("gpu")]
     if not gpu_items:
         return
-    # Without a driver's device node there is no CUDA: spare every worker torch's import.
-    if not Path("/dev/nvidiactl").exists():
+    # Without a driver's device node (Linux, or WSL's) there is no CUDA: spare every worker
+    # torch's import.
+    if not any(Path(d).exists() for d in ("/dev/nvidiactl", "/dev/dxg")):
         for item in gpu_items:
-            item.add_marker(pytest.mark.skip(reason="needs CUDA (no /dev/nvidiactl)"))
+            item.add_marker(pytest.mark.skip(reason="needs CUDA (no NVIDIA device node)"))
         return
     try:
         import torch

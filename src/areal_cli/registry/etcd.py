@@ -344,11 +344,7 @@ class _Client:
                     ) from None
                 except ssl.SSLError as e:
                     self._drop()
-                    raise UsageError(
-                        f"etcd at {self.url}: TLS with {_hostport(host, port)} failed "
-                        f"({e.reason or e})",
-                        hint="drop ca=/tls= if that etcd serves plain HTTP",
-                    ) from None
+                    raise self._tls_failed(host, port, str(e.reason or e)) from None
                 except (OSError, http.client.HTTPException) as e:
                     self._drop()
                     if reused and attempt == 0 and isinstance(e, _HUNG_UP):
@@ -371,11 +367,7 @@ class _Client:
                     ):
                         # A plain etcd answers a TLS hello with a reset as often as with a
                         # reply that fails the handshake.
-                        raise UsageError(
-                            f"etcd at {self.url}: TLS with {_hostport(host, port)} failed "
-                            "(it does not speak TLS)",
-                            hint="drop ca=/tls= if that etcd serves plain HTTP",
-                        ) from None
+                        raise self._tls_failed(host, port, "it does not speak TLS") from None
                     failures.append(f"{_hostport(host, port)}: {_why(e)}")
                     break
                 if status >= 500:
@@ -415,6 +407,12 @@ class _Client:
         if not isinstance(reply, dict):
             reply = {"message": str(reply)[:200]}
         return resp.status, reply
+
+    def _tls_failed(self, host: str, port: int, why: str) -> UsageError:
+        return UsageError(
+            f"etcd at {self.url}: TLS with {_hostport(host, port)} failed ({why})",
+            hint="drop ca=/tls= if that etcd serves plain HTTP",
+        )
 
     def _speaks_tls(self, host: str, port: int) -> bool:
         """Whether the endpoint that hung up on plain HTTP completes a TLS handshake (etcd

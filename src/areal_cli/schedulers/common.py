@@ -38,10 +38,10 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def resolve_api_key(flag: str, host: str | None = None) -> str | None:
-    """`auto`: a generated key, on loopback too (every local user reaches 127.0.0.1, and
-    could pause the servers or load other weights); `none`: no key; else the key. `host` is
-    kept for callers that pass it: where a server binds no longer decides."""
+def resolve_api_key(flag: str) -> str | None:
+    """`auto`: a generated key, wherever the servers bind (every local user reaches
+    127.0.0.1, and could pause the servers or load other weights); `none`: no key; else the
+    key."""
     if flag == "none":
         return None
     if flag == "auto":
@@ -108,6 +108,23 @@ def areal_overrides(spec: JobSpec, backend: str, n_servers: int, registry) -> li
 
 
 # -- failures, root cause first ------------------------------------------------------------
+
+
+def resume_left_paused(plan: Plan, timeout: float = 3.0) -> list[str]:
+    """A trainer stopped mid-sync leaves the servers it used paused, and those outlive it
+    when another job started them: once its ranks are gone, resume the ones that are paused.
+    Returns the servers resumed."""
+    from areal_cli import control
+
+    ours = {p.addr for p in plan.servers}  # stopped with this job anyway
+    resumed: list[str] = []
+    for t in plan.trainers:
+        addrs = [a for a in t.env.get("AREAL_LLM_SERVER_ADDRS", "").split(",") if a]
+        addrs = [a for a in addrs if a not in ours]
+        if addrs:
+            backend = t.env.get("AREAL_SERVER_BACKEND") or "sglang"
+            resumed += control.resume_paused(addrs, backend, t.env.get("AREAL_API_KEY"), timeout)
+    return resumed
 
 
 def describe_exit(code: int) -> str:

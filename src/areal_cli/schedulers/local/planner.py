@@ -81,7 +81,7 @@ def plan(spec: JobSpec, home: Path, registry_url: str, check_packages: bool = Tr
 
     if spec.servers:
         role = spec.servers
-        key = resolve_api_key(spec.api_key, role.host)
+        key = resolve_api_key(spec.api_key)
         if key:
             p.api_key = key
             p.api_key_file = str(apikeys.key_file(home, spec.experiment, spec.trial))

@@ -43,7 +43,13 @@ from areal_cli.errors import (
 )
 from areal_cli.launchers import torchrun
 from areal_cli.registry import open_registry
-from areal_cli.schedulers.common import TAIL_LINES, describe_exit, root_cause, tail_text
+from areal_cli.schedulers.common import (
+    TAIL_LINES,
+    describe_exit,
+    resume_left_paused,
+    root_cause,
+    tail_text,
+)
 from areal_cli.schedulers.local import records
 from areal_cli.spec import Plan, ProcessPlan
 
@@ -364,18 +370,9 @@ class Supervisor:
         self.claim.release()
 
     def _resume_servers(self) -> None:
-        """A trainer stopped mid-sync leaves the servers it used paused, and they outlive it
-        (another job started them): now that it is gone, resume those that are paused."""
-        from areal_cli import control
-
-        ours = {p.addr for p in self.plan.servers}  # stopped with this job anyway
-        for t in self.plan.trainers:
-            addrs = [a for a in t.env.get("AREAL_LLM_SERVER_ADDRS", "").split(",") if a]
-            addrs = [a for a in addrs if a not in ours]
-            backend = t.env.get("AREAL_SERVER_BACKEND") or "sglang"
-            resumed = control.resume_paused(addrs, backend, t.env.get("AREAL_API_KEY"), 3.0)
-            if resumed:
-                self.on_event("resumed", {"servers": resumed})
+        resumed = resume_left_paused(self.plan)
+        if resumed:
+            self.on_event("resumed", {"servers": resumed})
 
     def _start_record(self) -> None:
         me = os.getpid()

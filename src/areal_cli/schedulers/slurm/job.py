@@ -219,25 +219,17 @@ def finish(rec: SlurmRecord, home: Path, info: cluster.JobInfo | None) -> int:
 
 
 def _resume_servers(rec: SlurmRecord) -> None:
-    """A trainer that ended mid-sync leaves the servers it used paused, and those outlive it
-    when another job started them: resume the ones that are paused."""
+    """What the job's trainers left paused (its plan says which servers they used)."""
     if rec.kind == "serve":
         return
-    from areal_cli import control
+    from areal_cli.schedulers.common import resume_left_paused
     from areal_cli.spec import Plan
 
     try:
         plan = Plan.from_json(json.loads((Path(rec.run_dir) / PLAN_FILE).read_text()))
     except (OSError, ValueError, TypeError):
         return
-    ours = {p.addr for p in plan.servers}
-    for t in plan.trainers:
-        addrs = [
-            a for a in t.env.get("AREAL_LLM_SERVER_ADDRS", "").split(",") if a and a not in ours
-        ]
-        if addrs:
-            backend = t.env.get("AREAL_SERVER_BACKEND") or "sglang"
-            control.resume_paused(addrs, backend, t.env.get("AREAL_API_KEY"), 3.0)
+    resume_left_paused(plan)
 
 
 def sweep(marker: str) -> int:

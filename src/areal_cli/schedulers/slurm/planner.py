@@ -200,7 +200,7 @@ def _plan_servers(p: SlurmPlan, spec: JobSpec, part_gpus: int | None, check_pack
     )
     group = len(p.components)
     p.components.append(Component("server", nodes, per_node_replicas, gres))
-    key = resolve_api_key(spec.api_key, None if role.host == NODE_ADDR else role.host)
+    key = resolve_api_key(spec.api_key)
     if key:
         p.api_key = key
         p.api_key_file = str(apikeys.key_file(Path(p.home), spec.experiment, spec.trial))
