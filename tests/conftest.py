@@ -57,7 +57,9 @@ def areal_env(tmp_path, monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     # Tests run in parallel workers (pytest -n): each scans its own range for server ports.
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    monkeypatch.setenv("AREAL_PORT_BASE", str(30000 + 2000 * int(worker.removeprefix("gw") or 0)))
+    # AREAL_TEST_PORT_BASE moves the whole block, for two test runs on one machine at once.
+    base = int(os.environ.get("AREAL_TEST_PORT_BASE", "30000"))
+    monkeypatch.setenv("AREAL_PORT_BASE", str(base + 2000 * int(worker.removeprefix("gw") or 0)))
     return home, reg
 
 
