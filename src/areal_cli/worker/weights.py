@@ -585,15 +585,17 @@ async def _send_vllm(
         "dtype_names": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
         "shapes": [list(t.shape) for t in tensors.values()],
     }
-    # Unchanged metadata is sent once: empty lists reuse the last (nccl_engine.py:93-96).
-    update_info = (
-        meta if meta != transfer.sent_meta else {"names": [], "dtype_names": [], "shapes": []}
-    )
+    # Unchanged metadata is sent once to a vLLM that reuses the last (0.33, nccl_engine.py:
+    # 93-96); 0.32 reads empty lists as "nothing to receive", so it gets them every time.
+    unchanged = {"names": [], "dtype_names": [], "shapes": []}
+    reuse = {a: meta == transfer.sent_meta and await client.reuses_weight_metadata(a)
+             for a in servers}  # fmt: skip
     await client.on_servers(servers, "start_weight_update",
                             lambda s: client._control(s, "/start_weight_update"))  # fmt: skip
     http = client.on_servers(
         servers, "update_weights",
-        lambda s: client._control(s, "/update_weights", {"update_info": update_info},
+        lambda s: client._control(s, "/update_weights",
+                                  {"update_info": unchanged if reuse[s.addr] else meta},
                                   timeout=timeout + 30),
     )  # fmt: skip
     await _together(http, transfer.group.send, list(tensors.values()))
