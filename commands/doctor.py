@@ -633,3 +633,150 @@ def mesh_cmd(
         )
     for n in m.notes:
         console.out.print(f"[dim]note: {n}[/]")
+
+
+# =========================================================================== why
+
+
+@app.command("why")
+def why_cmd(
+    targets: list[str] = typer.Argument(
+        None,
+        metavar="EXPERIMENT/TRIAL | FILE...",
+        help="A job that ended, or log files with --log.",
+    ),
+    log: bool = typer.Option(
+        False, "--log", "-l", help="The arguments are log files (torchrun, AReaL, Slurm output)."
+    ),
+    kind: str = typer.Option(None, "--kind", help="serve | train (default: the training job)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    home: str = typer.Option(None, "--home", help="AREAL_HOME holding job records."),
+) -> None:
+    """Name the first failure of a job that died and its kind; label what followed from it.
+
+    Peers of a rank that died fail too (collective timeouts, closed connections,
+    torchrun's ChildFailedError, AReaL's JobException): those are listed as secondary,
+    each saying which failure caused it.
+
+    Kinds: python_exception (with your file:line), cpu_oom, cuda_oom, oom_killer,
+    collective_mismatch, collective_timeout, connection_lost, signal (and who sent it:
+    areal stop, Slurm cancel, time limit, preemption), server_died, native_abort.
+
+    --json prints {root_cause: {rank, source, kind, message, where, ...}, secondary:
+    [...], sources}.
+
+    Exit code: 0 root cause named · 1 no failure found · 2 bad target.
+
+    \b
+    Examples:
+      areal doctor why myexp/trial0            # a job that ended (see `areal ps --all`)
+      areal doctor why myexp/trial0 --json
+      areal doctor why --log torchrun.log      # a log from anywhere
+      areal doctor why --log slurm-4711.out rank-*.log
+    """
+    from areal_cli.diagnose import why
+    from areal_cli.errors import EXIT_FAILED, UsageError
+
+    targets = list(targets or [])
+    if not targets:
+        raise UsageError(
+            "give a job EXPERIMENT/TRIAL, or --log FILE...",
+            hint="areal doctor why myexp/trial0  ·  areal doctor why --log torchrun.log",
+        )
+    kernel = why.read_kernel()
+    if log:
+        paths = []
+        for t in targets:
+            p = Path(t)
+            if not p.is_file():
+                raise UsageError(f"no such log file: {t}")
+            paths.append((p.name, p))
+        rep = why.analyze(why.parse_files(paths), kernel)
+        rep.sources = [str(p) for _, p in paths]
+        name = None
+    else:
+        if len(targets) != 1:
+            raise UsageError(
+                "give one job EXPERIMENT/TRIAL",
+                hint="log files go with --log: areal doctor why --log A B",
+            )
+        name = targets[0]
+        rep = _why_job(name, kind, home, kernel)
+    if json_out:
+        console.print_json({"job": name, **rep.to_json()})
+    else:
+        _render_why(rep, name)
+    if rep.root is None:
+        raise typer.Exit(EXIT_FAILED)
+
+
+def _why_job(name: str, kind: str | None, home: str | None, kernel):
+    from areal_cli import schedulers, settings
+    from areal_cli.diagnose import why
+    from areal_cli.errors import UsageError
+
+    parts = name.split("/")
+    if len(parts) != 2 or not all(parts):
+        raise UsageError(f"not a job name: {name!r}", hint="EXPERIMENT/TRIAL, e.g. myexp/trial0")
+    if kind not in (None, "serve", "train"):
+        raise UsageError(f"unknown --kind {kind!r}", hint="serve or train")
+    found = schedulers.known_jobs(*parts, home=settings.home(home))
+    if kind == "serve":
+        found = [(s, h) for s, h in found if h.kind == "serve"]
+    elif kind == "train" or len(found) > 1:
+        found = [(s, h) for s, h in found if h.kind != "serve"] or found
+    if not found:
+        raise UsageError(f"no job {name}", hint="`areal ps --all` lists the jobs this home knows")
+    sched, handle = found[0]
+    st = sched.describe(handle)
+    if st is None or not st.log_dir:
+        raise UsageError(f"job {name} has no log folder on record")
+    if st.state in ("pending", "starting", "running", "stopping"):
+        raise UsageError(
+            f"job {name} is still {st.state}",
+            hint=f"a job that hangs: areal doctor hang --job {name}",
+        )
+    servers = [(f"server-{i}", s.exit_code) for i, s in enumerate(st.servers)]
+    records = why.record_events(st.state, st.message, servers, time=None)
+    return why.diagnose_dir(st.log_dir, records=records, kernel=kernel)
+
+
+def _render_why(rep, name: str | None) -> None:
+    from rich.markup import escape
+
+    out = console.out
+    if rep.root is None:
+        out.print(
+            f"no failure found in {len(rep.sources)} log(s)" + (f" of {name}" if name else "")
+        )
+        return
+    r = rep.root
+    who = f"rank {r.rank}" if r.rank is not None else r.source
+    out.print(f"[bold red]root cause:[/] {escape(who)} · [bold]{r.kind}[/]")
+    out.print(f"  {escape(r.message)}")
+    if r.where:
+        out.print(f"  at [cyan]{escape(r.where)}[/]")
+    src = f"{r.source}" + (f" line {r.line}" if r.line else "")
+    also = [x for x in r.ranks if x != r.rank]
+    out.print(
+        f"  [dim]{escape(src)}"
+        + (
+            f"; the same on rank{'s' if len(also) > 1 else ''} {', '.join(map(str, also))}"
+            if also
+            else ""
+        )
+        + "[/]"
+    )
+    if r.sender:
+        out.print(f"  sent by: {escape(r.sender)}")
+    if r.hint:
+        out.print(f"  [yellow]{escape(r.hint)}[/]")
+    if rep.secondary:
+        out.print(f"[bold]secondary[/] ({len(rep.secondary)}), each caused by the root cause:")
+        for e in rep.secondary:
+            who = f"rank {e.rank}" if e.rank is not None else e.source
+            msg = e.message if len(e.message) <= 110 else e.message[:109] + "…"
+            same = (
+                " (the same failure)" if e.caused_by and e.caused_by.startswith("the same") else ""
+            )
+            out.print(f"  {escape(who):<10} {e.kind:<19} {escape(msg)}{same}")

@@ -1,0 +1,161 @@
+"""`areal doctor why`: the root cause of a job that died, from recorded logs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from areal_cli.diagnose import why
+from tests.helpers import REPO, areal
+
+LOGS = REPO / "tests" / "fixtures" / "logs"
+
+
+def report(*names: str, kernel: why.Kernel | None = None) -> why.Report:
+    return why.analyze(why.parse_files([(n, LOGS / n) for n in names]), kernel)
+
+
+def test_areal_752_root_is_the_value_error_at_rl_py_413():
+    rep = report("areal-752.log")
+    root = rep.root
+    assert root.kind == "python_exception"
+    assert root.message == "ValueError: Invalid backend: None, expected sglang or vllm"
+    assert root.where.endswith("areal/experimental/trainer/rl.py:413")
+    assert root.ranks == [0, 1]
+    kinds = {e.kind for e in rep.secondary}
+    assert {"child_failed", "launcher_failed", "teardown_warning"} <= kinds
+    # Every other line that tells of a failure is secondary, each naming its cause.
+    assert all(e.caused_by for e in rep.secondary)
+    child = next(e for e in rep.secondary if e.kind == "child_failed")
+    assert "rl.py:413" in child.caused_by and child.where is None
+    out = rep.to_json()
+    assert set(out["root_cause"]) >= {"rank", "source", "kind", "message", "where"}
+
+
+def test_a_peer_that_lost_its_connection_is_secondary():
+    # Real torch 2.13 output: rank 1 raised; rank 0's all_reduce then saw the socket close,
+    # and its traceback comes later in the log than nothing but torchrun's report.
+    rep = report("torchrun-peer-closed.log")
+    assert (rep.root.rank, rep.root.kind) == (1, "python_exception")
+    assert rep.root.where == "/home/me/job/raise.py:7"
+    lost = next(e for e in rep.secondary if e.kind == "connection_lost")
+    assert lost.rank == 0 and "Connection closed by peer" in lost.message
+    assert lost.caused_by.startswith("rank 1: python_exception")
+
+
+def test_a_collective_size_mismatch_aborts_the_rank():
+    rep = report("torchrun-mismatch.log")
+    assert (rep.root.rank, rep.root.kind) == (0, "collective_mismatch")
+    assert "Received data size doesn't match" in rep.root.message
+    assert any(e.kind == "connection_lost" and e.rank == 1 for e in rep.secondary)
+
+
+def test_cuda_oom_names_the_users_line_and_points_to_doctor_memory():
+    rep = report("cuda-oom.log")
+    assert (rep.root.rank, rep.root.kind) == (1, "cuda_oom")
+    assert rep.root.where == "/home/me/rl/train.py:71"  # not torch's or transformers' frame
+    assert "areal doctor memory" in rep.root.hint
+    (timeout,) = [e for e in rep.secondary if e.kind == "collective_timeout"]
+    assert timeout.rank == 0 and "WorkNCCL(SeqNum=412" in timeout.message
+
+
+def test_cpu_oom_from_memory_error_and_the_allocator():
+    for last in (
+        "MemoryError",
+        "RuntimeError: [enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't "
+        "allocate memory: you tried to allocate 34359738368 bytes. Error code 12 (Cannot "
+        "allocate memory)",
+    ):
+        lines = ["Traceback (most recent call last):",
+                 '  File "/home/me/train.py", line 9, in <module>',
+                 "    x = torch.empty(1 << 35)", last]  # fmt: skip
+        rep = why.analyze(why.parse_log("rank-0", lines, rank=0))
+        assert (rep.root.kind, rep.root.where) == ("cpu_oom", "/home/me/train.py:9")
+        assert "areal doctor memory" in rep.root.hint
+
+
+def _sigkill_log(pid: int) -> list[str]:
+    return [
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "=" * 60, "train.py FAILED", "-" * 60, "Failures:", "  <NO_OTHER_FAILURES>", "-" * 60,
+        "Root Cause (first observed failure):", "[0]:", "  time      : 2026-12-01_21:47:37",
+        "  host      : localhost", "  rank      : 1 (local_rank: 1)",
+        f"  exitcode  : -9 (pid: {pid})", "  error_file: <N/A>",
+        f"  traceback : Signal 9 (SIGKILL) received by PID {pid}", "=" * 60,
+    ]  # fmt: skip
+
+
+def test_a_sigkill_is_the_oom_killers_when_the_kernel_names_the_pid():
+    kills = why.kernel_oom_kills((LOGS / "dmesg-oom.txt").read_text())
+    assert list(kills) == [4242]
+    lines = ["Traceback (most recent call last):", *_sigkill_log(4242)]
+    kernel = why.Kernel(oom_kills=kills, dmesg_readable=True)
+    rep = why.analyze(why.parse_log("torchrun", lines), kernel)
+    assert (rep.root.rank, rep.root.kind) == (1, "oom_killer")
+    assert "Killed process 4242" in rep.root.detail[0]
+    assert "areal doctor memory" in rep.root.hint
+    # No kernel record of it: a signal from someone else, the cgroup's count said.
+    kernel = why.Kernel(dmesg_readable=True, cgroup_oom_kill=0, cgroup_file="memory.events")
+    rep = why.analyze(why.parse_log("torchrun", lines), kernel)
+    assert (rep.root.rank, rep.root.kind) == (1, "signal")
+    assert "dmesg names no OOM kill" in rep.root.sender
+
+
+def test_cgroup_counts_in_both_cgroup_versions():
+    assert why.cgroup_oom_kills("low 0\nhigh 0\nmax 3\noom 2\noom_kill 2\n") == 2
+    assert why.cgroup_oom_kills("oom_kill_disable 0\nunder_oom 0\noom_kill 5\n") == 5
+    assert why.cgroup_oom_kills("nothing\n") is None
+
+
+def test_slurm_time_limit_names_who_stopped_the_job():
+    rep = report("slurm-timelimit.out")
+    assert (rep.root.kind, rep.root.sender) == ("signal", "Slurm time limit")
+
+
+def test_a_stop_from_areal_outranks_what_the_stopped_ranks_say():
+    recs = why.record_events("stopped", "stopped by areal stop")
+    lines = ["stopping: SIGTERM"]
+    rep = why.analyze([*recs, *why.parse_log("torchrun", lines)])
+    assert (rep.root.kind, rep.root.sender, rep.root.rank) == ("signal", "areal stop", None)
+    assert [e.kind for e in rep.secondary] == ["signal"]
+
+
+def test_a_server_that_died_is_the_root_of_the_ranks_lost_connections():
+    recs = why.record_events("failed", "rank-0 failed", [("server-0", -9), ("server-1", 0)])
+    lines = ["Traceback (most recent call last):",
+             '  File "/home/me/train.py", line 3, in <module>',
+             "ConnectionRefusedError: [Errno 111] Connection refused"]  # fmt: skip
+    rep = why.analyze([*recs, *why.parse_log("rank-0", lines, rank=0)])
+    assert (rep.root.kind, rep.root.source) == ("server_died", "server-0")
+    assert rep.secondary[0].kind == "connection_lost"
+
+
+def test_timestamps_order_failures_across_logs():
+    a = ["2026-12-01 10:00:05,000 INFO step", "Traceback (most recent call last):",
+         '  File "/a.py", line 1, in <module>', "KeyError: 'x'"]  # fmt: skip
+    b = ["2026-12-01 10:00:01,000 INFO step", "Traceback (most recent call last):",
+         '  File "/b.py", line 2, in <module>', "TypeError: no"]  # fmt: skip
+    events = why.parse_log("rank-0", a, rank=0) + why.parse_log("rank-1", b, rank=1)
+    for i, e in enumerate(events):
+        e.order = (i,)
+    rep = why.analyze(events)
+    assert (rep.root.rank, rep.root.where) == (1, "/b.py:2")
+
+
+def test_cli_log_mode_json_and_text(tmp_path):
+    res = areal("doctor", "why", "--log", str(LOGS / "areal-752.log"), "--json", check=0)
+    out = json.loads(res.stdout)
+    assert out["root_cause"]["kind"] == "python_exception"
+    assert out["root_cause"]["where"].endswith("rl.py:413")
+    assert out["secondary"] and all("caused_by" in e for e in out["secondary"])
+    text = areal("doctor", "why", "--log", str(LOGS / "cuda-oom.log"), check=0).stdout
+    assert "root cause: rank 1 · cuda_oom" in text and "areal doctor memory" in text
+    quiet = Path(tmp_path / "ok.log")
+    quiet.write_text("step 1\nstep 2\n")
+    assert "no failure found" in areal("doctor", "why", "--log", str(quiet), check=1).stdout
+
+
+def test_cli_bad_input_is_one_message_and_exit_2(tmp_path):
+    for args in (["--log", str(tmp_path / "missing.log")], [], ["a/b/c"], ["nojob/here"]):
+        res = areal("doctor", "why", *args, env={"AREAL_HOME": str(tmp_path)}, check=2)
+        assert "error:" in res.stderr and "Traceback" not in res.stderr
