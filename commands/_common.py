@@ -316,6 +316,7 @@ def run_foreground(sched, request, json_out: bool = False) -> None:
 def run_detached(sched, request, json_out: bool) -> None:
     """Start the job in the background and return once it is ready; print where it runs."""
     from areal_cli import console
+    from areal_cli.schedulers.api import Stopped
 
     plan = request.plan
     n = len(plan.servers)
@@ -332,6 +333,13 @@ def run_detached(sched, request, json_out: bool) -> None:
                 f"[yellow]interrupted[/]: stopped the starting job {plan.experiment}/{plan.trial}"
             )
             raise typer.Exit(130) from None
+        except Stopped as e:
+            # `areal stop` from elsewhere ended the job before it was ready: not a failure.
+            console.err.print(
+                f"[yellow]stopped[/] {plan.experiment}/{plan.trial} before it was ready "
+                f"(areal stop); nothing of it is left"
+            )
+            raise typer.Exit(e.code) from None
     job = sched.describe(handle)
     servers = [
         {"addr": s.addr, "pid": s.pid, "gpus": s.gpus, "node": s.node,

@@ -34,21 +34,30 @@ def ps(
     json_out: bool = JsonOpt,
 ) -> None:
     from areal_cli import schedulers
+    from areal_cli.errors import WaitTimeout
 
-    jobs_ = [
-        j.to_json()
-        for sched in schedulers.used(settings.home(home))
-        for j in sched.list(include_ended=all_)
-    ]
+    jobs_, unanswered = [], []
+    for sched in schedulers.used(settings.home(home)):
+        try:
+            jobs_ += [j.to_json() for j in sched.list(include_ended=all_)]
+        except WaitTimeout as e:
+            # One scheduler's controller not answering hides none of the others' jobs; the
+            # command still exits 3 after listing what it knows.
+            unanswered.append(e)
     jobs_.sort(key=lambda j: j["started"], reverse=True)
     if json_out:
         console.print_json(jobs_)
-        return
-    if not jobs_:
+    elif not jobs_ and not unanswered:
         console.out.print(
             "no jobs" + ("" if all_ else " running (areal ps --all shows ended ones)")
         )
-        return
+    elif jobs_:
+        _ps_table(jobs_)
+    if unanswered:
+        raise unanswered[0]
+
+
+def _ps_table(jobs_: list[dict]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
@@ -58,7 +67,12 @@ def ps(
         t.add_column(col, no_wrap=col in ("kind", "state", "servers"))
     for j in jobs_:
         servers = "\n".join(
-            f"[{'green' if s['healthy'] else 'red'}]{'●' if s['healthy'] else '○'}[/] {s['addr']}"
+            (
+                f"[red]✗ {s['addr']}[/]"
+                if s.get("exit_code") is not None
+                else f"[{'green' if s['healthy'] else 'red'}]{'●' if s['healthy'] else '○'}[/] "
+                f"{s['addr']}"
+            )
             + (" [yellow]paused[/]" if s.get("paused") else "")
             for s in j["servers"]
         )

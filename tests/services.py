@@ -26,6 +26,7 @@ each fixture stops, by pid, only what it started.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -216,6 +217,20 @@ class SlurmCluster:
 
     def node_state(self, node: str) -> str:
         return self.run("sinfo", "-h", "-N", "-n", node, "-o", "%T").stdout.strip()
+
+    @contextlib.contextmanager
+    def controller_stopped(self):
+        """slurmctld SIGSTOPped (a hung controller: clients time out, squeue --json answers
+        {"errors": [...], "jobs": []}) for the block; SIGCONT whatever happens, since the
+        shared cluster serves every test of the session."""
+        ctld = psutil.Process(int((self.state_dir / "run" / "slurmctld.pid").read_text()))
+        ctld.suspend()
+        try:
+            yield ctld
+        finally:
+            ctld.resume()
+            _wait(lambda: self.run("scontrol", "ping", check=False).returncode == 0, 30,
+                  "slurmctld did not answer again")  # fmt: skip
 
     # Faults, for a private cluster. A node that dies: its slurmd is killed, the controller told
     # (it would notice after SlurmdTimeout), then the node's job steps and tasks are killed; in

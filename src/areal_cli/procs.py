@@ -110,13 +110,28 @@ def kill_job(marker: str | None, roots: Iterable[int] = (), grace: float = 5.0) 
 
 
 def pid_alive(pid: int, create_time: float | None = None) -> bool:
-    """True when pid runs and, if given, is the same process (not a reused pid)."""
+    """True when pid runs and, if given, is the same process (not a reused pid). A process this
+    user may not look at (hidepid, another uid) is not a dead one: only "no such process" is."""
     try:
         p = psutil.Process(pid)
         with p.oneshot():
             if p.status() == psutil.STATUS_ZOMBIE:
                 return False
             return create_time is None or abs(p.create_time() - create_time) < 1.0
+    except psutil.ZombieProcess:
+        return False
+    except psutil.AccessDenied:
+        return psutil.pid_exists(pid)
+    except psutil.NoSuchProcess:
+        # hidepid=2 hides /proc/PID altogether from those who may not look; kill(pid, 0) still
+        # tells whether it exists.
+        try:
+            os.kill(pid, 0)
+        except PermissionError:
+            return True
+        except OSError:
+            return False
+        return True
     except psutil.Error:
         return False
 

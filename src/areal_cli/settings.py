@@ -91,3 +91,18 @@ def ensure_dir(path: Path | str, what: str = "--home (or AREAL_HOME)") -> Path:
             f"cannot create {path}: {e.strerror or e}", hint=f"pick a writable {what}"
         ) from None
     return path
+
+
+def slurm_timeout() -> float:
+    """AREAL_SLURM_TIMEOUT: seconds one Slurm command (squeue, scancel, sinfo; sbatch twice
+    that) may take before the controller counts as not answering."""
+    from areal_cli.errors import UsageError
+
+    raw = os.environ.get("AREAL_SLURM_TIMEOUT", "30")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0.5 <= value <= 600:
+        raise UsageError(f"AREAL_SLURM_TIMEOUT={raw!r} is not a number of seconds in 0.5..600")
+    return value

@@ -601,3 +601,68 @@ def test_a_key_of_1_hides_only_the_key(model):
     assert argv.count("<api-key>") <= 1 and "1" not in [
         v for k, v in plan["processes"][0]["env"].items() if k.endswith("API_KEY")
     ]
+
+
+def _other_python() -> list[str]:
+    """A Python the other uid may run that imports areal_cli (the venv may live in a home only
+    its owner enters): the system's of the same version, on this checkout's paths."""
+    import sysconfig
+
+    py = shutil.which(f"python{sys.version_info[0]}.{sys.version_info[1]}", path="/usr/bin")
+    if py is None or shutil.which("unshare") is None:
+        pytest.skip("needs unshare and a system python of the test's version")
+    paths = os.pathsep.join([sysconfig.get_paths()["purelib"], str(REPO / "src")])
+    return ["env", f"PYTHONPATH={paths}", "PYTHONDONTWRITEBYTECODE=1", py]
+
+
+def _hidden(*argv: str) -> list[str]:
+    """argv as the other uid in a mount namespace whose /proc hides other users' processes
+    (hidepid=1: their /proc/PID files cannot be read, as on many shared login nodes)."""
+    import shlex
+
+    inner = " ".join(shlex.quote(a) for a in argv)
+    return ["unshare", "-m", "sh", "-c",
+            "mount -t proc -o hidepid=1 proc /proc && exec setpriv "
+            f"--reuid={OTHER} --regid={OTHER} --clear-groups {inner}"]  # fmt: skip
+
+
+def test_a_process_one_may_not_look_at_is_not_taken_for_dead(tmp_path):
+    """Only "no such process" is death: a pid whose /proc entry cannot be read (permissions)
+    keeps its job alive in `ps` and `stop`, and its watchdog does not tear the job down."""
+    needs_other_user()
+    py = _other_python()
+    parent = subprocess.Popen(["sleep", "60"])
+    ctime = psutil.Process(parent.pid).create_time()
+    reaper = None
+    try:
+        probe = subprocess.run(
+            _hidden(*py, "-c", f"open('/proc/{parent.pid}/stat').read()"),
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        if "Operation not permitted" not in probe.stderr:
+            pytest.skip(f"cannot hide /proc here: {probe.stderr[-300:]}")
+        res = subprocess.run(
+            _hidden(*py, "-c", "from areal_cli import procs; "
+                    f"print(procs.pid_alive({parent.pid}, {ctime}), procs.pid_alive(2**22 + 7))"),
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert res.stdout.split() == ["True", "False"], res.stdout + res.stderr
+        reaper = subprocess.Popen(
+            _hidden(*py, "-m", "areal_cli.schedulers.local.reaper", "--parent", str(parent.pid),
+                    "--marker", "areal-test-hidden", "--home", str(tmp_path / "home"),
+                    "--experiment", "e", "--trial", "t", "--registry", str(tmp_path / "reg")),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        time.sleep(2.0)
+        assert reaper.poll() is None, reaper.communicate()[0]  # the supervisor still runs
+        parent.kill()
+        parent.wait()
+        t0 = time.monotonic()
+        assert reaper.wait(timeout=10) == 0, reaper.communicate()[0]
+        print(f"watchdog saw its hidden parent die after {time.monotonic() - t0:.2f}s")
+    finally:
+        parent.kill()
+        parent.wait()
+        if reaper is not None and reaper.poll() is None:
+            reaper.kill()
+            reaper.wait()

@@ -449,3 +449,25 @@ def test_squeue_and_sinfo_fields_are_read_across_slurm_versions():
     assert cluster.gpu_count("gpu:4") == 4 and cluster.gpu_count("gpu:a100:8(S:0-1)") == 8
     assert cluster.gpu_count("gpu:2,shard:8") == 2 and cluster.gpu_count("(null)") == 0
     assert cluster.expand("n1,n2") == ["n1", "n2"] and cluster.expand("") == []
+
+
+def test_squeue_errors_beside_an_empty_list_are_no_answer_not_no_jobs(monkeypatch, tmp_path):
+    """What Slurm 22.05's squeue --json printed, with exit 0, while slurmctld was SIGSTOPped
+    (scripts/local-slurm.sh's cluster): an empty job list that means nothing."""
+    from areal_cli.schedulers.slurm import cluster
+
+    hung = {
+        "meta": {"Slurm": {"release": "22.05.8"}},
+        "errors": [{"description": "Failed while looking for jobs", "error_number": -1,
+                    "error": "Unspecified error", "source": "slurm_load_jobs"}],
+        "jobs": [],
+    }  # fmt: skip
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("SlurmctldHost=ctl1(10.0.0.1)\nSlurmctldHost=ctl2\nSlurmctldPort=6820\n")
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    with pytest.raises(cluster.Unreachable) as got:
+        cluster.parse_jobs(hung, ["12"])
+    assert got.value.exit_code == 3
+    assert got.value.message.startswith("slurmctld at ctl1:6820, ctl2:6820 did not answer squeue")
+    assert "Failed while looking for jobs" in got.value.message
+    assert cluster.parse_jobs({"jobs": []}, ["12"]) == {}

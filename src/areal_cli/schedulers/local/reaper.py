@@ -21,12 +21,20 @@ from pathlib import Path
 
 
 def _stat(pid: int) -> tuple[str, str] | None:
-    """(state, start time) from /proc/PID/stat, or None when the process is gone."""
+    """(state, start time) from /proc/PID/stat, or None when the process is gone. A stat this
+    process may not read (hidepid, no CAP_SYS_PTRACE) is no sign of death: while kill(pid, 0)
+    finds the pid, it counts as alive and unchanged."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read().decode(errors="replace")
     except OSError:
-        return None
+        try:
+            os.kill(pid, 0)
+        except PermissionError:
+            return ("?", "?")
+        except OSError:
+            return None
+        return ("?", "?")
     fields = raw[raw.rfind(")") + 2 :].split()
     return fields[0], fields[19]
 

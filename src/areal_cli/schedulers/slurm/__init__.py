@@ -122,13 +122,13 @@ class SlurmScheduler(Scheduler):
 
     def _statuses(self, recs: list, include_ended: bool) -> list[JobStatus]:
         from areal_cli.errors import ArealError
-        from areal_cli.schedulers.slurm import job
+        from areal_cli.schedulers.slurm import cluster, job
 
         if any(r.live for r in recs):
             try:
                 job.refresh(recs, self.home)
-            except UsageError:
-                raise
+            except (UsageError, cluster.Unreachable):
+                raise  # a controller that does not answer says nothing of any job: exit 3
             except ArealError as e:
                 for r in recs:
                     if r.live:
@@ -161,6 +161,11 @@ class SlurmScheduler(Scheduler):
                 key = held[1] if held and held[0] == rec.marker else None
                 backend = entries[0].backend or "sglang"
                 paused = control.paused_all([e.addr for e in entries], backend, key, 1.0)
+            from areal_cli.schedulers.slurm.job import ended_replicas
+
+            ended = ended_replicas(rec)
+            gone = {addr for _, addr in ended.values()}
+            entries = [e for e in entries if e.addr not in gone]
             order = _replica_order(rec)
             entries.sort(key=lambda e: order.get(e.addr, len(order)))
             servers = [
@@ -168,8 +173,24 @@ class SlurmScheduler(Scheduler):
                              gpus=e.gpus, node=e.node, paused=paused.get(e.addr) is True)
                 for e in entries
             ]  # fmt: skip
-            if state == "running" and len(entries) < rec.replicas:
-                state = "starting"
+            # A replica that registered once but is out of discovery now (its runner took it
+            # out while it does not answer) is listed too, unhealthy.
+            listed = {e.addr for e in entries}
+            for addr in sorted(order, key=order.get):
+                if addr not in listed and addr not in gone:
+                    servers.append(ServerStatus(addr=addr, healthy=False))
+            # A replica whose step ended (`scancel J.S`, a crash) is listed dead, with its code.
+            for i, (code, addr) in sorted(ended.items()):
+                servers.append(ServerStatus(addr=addr or f"server-{i}", healthy=False,
+                                            exit_code=code))  # fmt: skip
+            if state == "running" and len(set(order.values()) | set(ended)) < rec.replicas:
+                state = "starting"  # a replica neither registered once nor ended yet
+            if ended:
+                from areal_cli.schedulers.common import describe_exit
+
+                rec.reason = "; ".join(
+                    f"server-{i} ended ({describe_exit(code)})" for i, (code, _) in ended.items()
+                )
             if rec.world_size:
                 ranks_alive, world = len(ranks), rec.world_size
         return JobStatus(

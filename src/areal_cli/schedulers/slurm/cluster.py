@@ -1,20 +1,22 @@
 """Slurm's own commands, run and read: sbatch, squeue --json, scancel, sinfo, scontrol.
 
 Every call is bounded in time; a missing command is a usage error with the way out; a refusal
-by Slurm keeps Slurm's own words.
+by Slurm keeps Slurm's own words. A controller that does not answer (a timeout, a refused
+connection, or squeue's JSON carrying `errors` beside an empty job list, which is how 22.05
+reports a timeout with exit 0) is `Unreachable`, never an empty answer.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
 
-from areal_cli.errors import LaunchError, UsageError
-
-TIMEOUT = 30.0
+from areal_cli import settings
+from areal_cli.errors import LaunchError, UsageError, WaitTimeout
 
 # Slurm's job states (squeue) in our words (schedulers.api LIVE / ENDED).
 STATES = {
@@ -54,6 +56,47 @@ _BAD_INPUT = re.compile(
 )
 
 
+# How Slurm's clients say that the controller did not answer (src/common/slurm_errno.c).
+_NO_ANSWER = re.compile(
+    r"socket timed out|unable to contact slurm controller|connection refused|connect failure|"
+    r"zero bytes were transmitted|communication connection failure|slurmctld.*not responding|"
+    r"connection timed out",
+    re.IGNORECASE,
+)
+
+
+class Unreachable(WaitTimeout):
+    """The controller did not answer: nothing can be concluded about any job (exit 3)."""
+
+
+def controller() -> str:
+    """The controller as slurm.conf names it ("slurmctld at vm:20121"), for messages."""
+    conf = os.environ.get("SLURM_CONF") or "/etc/slurm/slurm.conf"
+    hosts, port = [], "6817"
+    try:
+        text = open(conf).read(1 << 20)
+    except OSError:
+        return "slurmctld"
+    for line in text.splitlines():
+        key, _, value = line.split("#")[0].partition("=")
+        key, value = key.strip().lower(), value.strip()
+        if key in ("slurmctldhost", "controlmachine") and value:
+            hosts.append(value.split("(")[0])
+        elif key == "slurmctldport" and value:
+            port = value
+    if not hosts:
+        return "slurmctld"
+    return "slurmctld at " + ", ".join(f"{h}:{port}" for h in hosts)
+
+
+def _unreachable(what: str, why: str, after: str = "nothing was changed") -> Unreachable:
+    return Unreachable(
+        f"{controller()} did not answer {what} ({why}); {after}",
+        hint="`scontrol ping` tells whether it is up; try again when it answers "
+        "(AREAL_SLURM_TIMEOUT sets how long areal waits)",
+    )
+
+
 @dataclass
 class JobInfo:
     """One Slurm job as squeue sees it; a heterogeneous job's components merged."""
@@ -84,17 +127,15 @@ def require(tool: str = "sbatch") -> str:
     return path
 
 
-def run(argv: list[str], timeout: float = TIMEOUT, input: str | None = None):
+def run(argv: list[str], timeout: float | None = None, input: str | None = None):
     require(argv[0])
+    timeout = settings.slurm_timeout() if timeout is None else timeout
     try:
         return subprocess.run(
             argv, capture_output=True, text=True, timeout=timeout, input=input, check=False
         )
     except subprocess.TimeoutExpired:
-        raise LaunchError(
-            f"`{' '.join(argv[:3])}` did not answer within {timeout:g}s",
-            hint="is slurmctld up? `scontrol ping` tells",
-        ) from None
+        raise _unreachable(f"`{' '.join(argv[:3])}`", f"no reply within {timeout:g}s") from None
 
 
 def slurm_message(stderr: str) -> str:
@@ -109,12 +150,26 @@ def slurm_message(stderr: str) -> str:
     return "; ".join(lines) or "no message"
 
 
-def sbatch(script_path: str, cwd: str | None = None) -> str:
+def sbatch(script_path: str, name: str | None = None) -> str:
     """Submit a batch script; the job id. Slurm refusing the user's input is exit 2 with
-    Slurm's own message."""
-    res = run(["sbatch", "--parsable", script_path], timeout=60)
+    Slurm's own message; a controller that does not answer exit 3 (the request may still
+    reach it, so the message says how to find and cancel the job by its `name`)."""
+    later = "it may still queue the job once it answers" + (
+        f": `squeue --me --name={name}` shows it, `scancel --me --name={name}` cancels it"
+        if name
+        else ""
+    )
+    timeout = 2 * settings.slurm_timeout()
+    try:
+        res = run(["sbatch", "--parsable", script_path], timeout=timeout)
+    except Unreachable:
+        raise _unreachable("sbatch", f"no reply within {timeout:g}s", later) from None
     if res.returncode != 0:
         message = slurm_message(res.stderr)
+        if "connection refused" in message.lower() or "connect failure" in message.lower():
+            raise _unreachable("sbatch", message, "the job was not submitted")
+        if _NO_ANSWER.search(message):
+            raise _unreachable("sbatch", message, later)
         cls = UsageError if _BAD_INPUT.search(message) else LaunchError
         raise cls(
             f"Slurm refused the job: {message}",
@@ -130,11 +185,30 @@ def jobs(ids: list[str]) -> dict[str, JobInfo]:
         return {}
     res = run(["squeue", "--json", "--me", "--states=all"])
     if res.returncode != 0:
-        raise LaunchError(f"squeue failed: {slurm_message(res.stderr)}")
+        message = slurm_message(res.stderr)
+        if _NO_ANSWER.search(message):
+            raise _unreachable("squeue", message)
+        raise LaunchError(f"squeue failed: {message}")
     try:
-        data = json.loads(res.stdout).get("jobs", [])
+        doc = json.loads(res.stdout)
     except ValueError:
         raise LaunchError("squeue --json printed something that is not JSON") from None
+    return parse_jobs(doc, ids)
+
+
+def parse_jobs(doc: dict, ids: list[str]) -> dict[str, JobInfo]:
+    """squeue --json's document → our jobs of `ids`. Any error in it means the list is not the
+    controller's answer (22.05 reports a controller timeout as errors + an empty list)."""
+    errors = doc.get("errors") or []
+    if errors:
+        why = "; ".join(
+            ": ".join(str(x) for x in (e.get("description"), e.get("error")) if x)
+            if isinstance(e, dict)
+            else str(e)
+            for e in errors
+        )
+        raise _unreachable("squeue", why or "errors in its answer")
+    data = doc.get("jobs", [])
     # Older squeue ignores filters in JSON mode: pick ours here.
     wanted = set(ids)
     out: dict[str, JobInfo] = {}
@@ -185,7 +259,24 @@ def scancel(job_id: str) -> None:
     if res.returncode != 0 and "already completing or completed" not in res.stderr.lower():
         if "invalid job id" in res.stderr.lower():
             return  # gone from the controller already
-        raise LaunchError(f"scancel {job_id} failed: {slurm_message(res.stderr)}")
+        message = slurm_message(res.stderr)
+        if _NO_ANSWER.search(message):
+            raise _unreachable(f"scancel {job_id}", message)
+        raise LaunchError(f"scancel {job_id} failed: {message}")
+
+
+def known(job_id: str) -> bool:
+    """Whether the controller still knows this job: False only when it says so (it forgets an
+    ended job after MinJobAge); raises Unreachable when it does not answer."""
+    res = run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%i"])
+    if res.returncode == 0:
+        return bool(res.stdout.strip())
+    message = slurm_message(res.stderr)
+    if "invalid job id" in message.lower():
+        return False
+    if _NO_ANSWER.search(message):
+        raise _unreachable("squeue", message)
+    raise LaunchError(f"squeue -j {job_id} failed: {message}")
 
 
 def expand(nodelist: str) -> list[str]:
@@ -211,6 +302,8 @@ class Partition:
 def partitions() -> list[Partition]:
     res = run(["sinfo", "-h", "-N", "-o", "%N|%P|%G|%c|%a"])
     if res.returncode != 0:
+        if _NO_ANSWER.search(res.stderr):
+            raise _unreachable("sinfo", slurm_message(res.stderr))
         raise LaunchError(
             f"sinfo failed: {slurm_message(res.stderr)}", hint="is slurmctld up? `scontrol ping`"
         )

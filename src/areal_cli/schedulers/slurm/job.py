@@ -57,7 +57,7 @@ def submit(plan: SlurmPlan, home: Path) -> SlurmRecord:
             (run / "job.sh").write_text(plan.script)
             if plan.api_key and plan.api_key_file and plan.servers:
                 apikeys.store(plan.api_key_file, plan.marker, plan.api_key)
-            job_id = cluster.sbatch(str(run / "job.sh"))
+            job_id = cluster.sbatch(str(run / "job.sh"), plan.job_name)
         except BaseException:
             shutil.rmtree(run, ignore_errors=True)
             raise
@@ -153,7 +153,10 @@ def refuse_if_running(home: Path, plan: SlurmPlan) -> None:
 
 def refresh(recs: list[SlurmRecord], home: Path) -> None:
     """Bring live records up to date with squeue (one call for all); a job that ended since is
-    finished: its outcome recorded, its registry entries gone."""
+    finished: its outcome recorded, its registry entries gone. Only positive evidence ends a
+    job: squeue listing it as ended, its own exit file, or the controller saying it no longer
+    knows it. A controller that does not answer raises cluster.Unreachable before anything is
+    written, removed or killed."""
     for rec in recs:
         # Another areal (a stop, a follower) may have written it since it was read.
         fresh = records.read(records.path(home, rec.experiment, rec.trial, rec.kind))
@@ -170,10 +173,13 @@ def refresh(recs: list[SlurmRecord], home: Path) -> None:
             if info.state in ENDED:
                 finish(rec, home, info)
             else:
+                reap_replicas(rec)
                 records.write(home, rec)
             continue
-        # squeue forgot it (ended more than MinJobAge ago): what the batch script left.
+        # Not in squeue's list: what the batch script left, else ask about this job alone.
         code = _read_code(Path(rec.run_dir) / "job.exit")
+        if code is None and cluster.known(rec.job_id):
+            continue  # listed a moment later (squeue's list and the job raced): next time
         rec.state = "dead" if code is None else ("stopped" if code == 0 else "failed")
         rec.exit_code = code
         rec.message = rec.message or (
@@ -182,6 +188,43 @@ def refresh(recs: list[SlurmRecord], home: Path) -> None:
             else f"ended ({describe_exit(code)})"
         )
         finish(rec, home, None)
+
+
+def ended_replicas(rec: SlurmRecord) -> dict[int, tuple[int, str | None]]:
+    """Replicas whose step ended while the job runs on (`scancel J.S`, a crash): index →
+    (exit code, the address it had registered, if it had)."""
+    out = {}
+    run = Path(rec.run_dir)
+    for i in range(rec.replicas):
+        code = _read_code(run / f"server-{i}.exit")
+        if code is None:
+            continue
+        try:
+            addr = json.loads((run / f"server-{i}.ready").read_text())["addr"]
+        except (OSError, ValueError, KeyError, TypeError):
+            addr = None
+        out[i] = (code, addr)
+    return out
+
+
+def reap_replicas(rec: SlurmRecord) -> int:
+    """Take ended replicas out of discovery: a step killed with SIGKILL never deregistered, and
+    AReaL's reader would go on listing it. Returns the entries removed."""
+    addrs = {addr for _, addr in ended_replicas(rec).values() if addr}
+    if not addrs:
+        return 0
+    from areal_cli.registry import open_registry
+
+    gone = 0
+    try:
+        reg = open_registry(rec.registry)
+        for e in reg.list(rec.experiment, rec.trial, include_dead=True).servers:
+            if e.managed and e.marker == rec.marker and e.addr in addrs:
+                reg.deregister(rec.experiment, rec.trial, e.id, e.lease)
+                gone += 1
+    except (ArealError, OSError):
+        pass  # its lease or heartbeat runs out anyway
+    return gone
 
 
 def update(rec: SlurmRecord, info: cluster.JobInfo) -> None:
@@ -249,9 +292,16 @@ def _read_code(path: Path) -> int | None:
 def cancel(rec: SlurmRecord, home: Path, timeout: float, reason: str) -> cluster.JobInfo | None:
     """scancel, then wait (up to `timeout`) until Slurm has ended every step. The record says
     why first, so that an `areal` following the job tells a stop from a cancel by others."""
+    before = rec.state
     rec.state, rec.message = "stopping", reason
     records.write(home, rec)
-    cluster.scancel(rec.job_id)
+    try:
+        cluster.scancel(rec.job_id)
+    except cluster.Unreachable:
+        # The reason stays (the cancel may reach the controller later: then it was ours).
+        rec.state = before
+        records.write(home, rec)
+        raise
     deadline = time.monotonic() + timeout
     info = None
     while time.monotonic() < deadline:
@@ -313,6 +363,7 @@ class Watch:
         self.run = Path(plan.run_dir)
         self.stop_code = 130
         self.info: cluster.JobInfo | None = None
+        self.no_answer: cluster.Unreachable | None = None
         self.ready: dict[int, dict] = {}
         self.lost: set[int] = set()
         self._follow_stop = threading.Event()
@@ -337,8 +388,7 @@ class Watch:
                 self._fail(failed)
             if time.monotonic() - last_poll > POLL * 2.5:
                 last_poll = time.monotonic()
-                self._poll()
-                if self.info is None or self.info.state in ENDED:
+                if self._poll() and (self.info is None or self.info.state in ENDED):
                     self._ended()
             if time.monotonic() > deadline:
                 self._cancel("not ready in time")
@@ -359,13 +409,13 @@ class Watch:
         LaunchError (root cause first) or Stopped."""
         while True:
             self._check_stop()
-            self._poll()
-            if self.info is None or self.info.state in ENDED:
+            if self._poll() and (self.info is None or self.info.state in ENDED):
                 return self._ended()
             for i in sorted(set(self.ready) - self.lost):
                 code = self._exit_code(f"server-{i}")
                 if code is not None:
                     self.lost.add(i)
+                    reap_replicas(self.rec)
                     self.on_event(
                         "server_lost",
                         {"label": f"server-{i}", "addr": self.ready[i]["addr"],
@@ -386,7 +436,11 @@ class Watch:
         deadline = time.monotonic() + self.plan.health_timeout
         while True:
             self._check_stop()
-            self._poll()
+            if not self._poll():
+                if time.monotonic() > deadline:
+                    raise self.no_answer  # nothing known of the job: left as it is
+                time.sleep(POLL)
+                continue
             info = self.info
             if info is None or info.state in ENDED:
                 self._ended()
@@ -415,13 +469,28 @@ class Watch:
                 )
             time.sleep(POLL)
 
-    def _poll(self) -> None:
-        self.info = cluster.jobs([self.rec.job_id]).get(self.rec.job_id)
+    def _poll(self) -> bool:
+        """squeue's word on the job; False (self.info as it was) when the controller did not
+        answer: a wait goes on, it concludes nothing."""
+        try:
+            self.info = cluster.jobs([self.rec.job_id]).get(self.rec.job_id)
+        except cluster.Unreachable as e:
+            self.no_answer = e
+            self.on_progress(f"Slurm job {self.rec.job_id}: {cluster.controller()} not answering")
+            return False
+        if self.info is None and self._exit_code("job") is None:
+            try:
+                if cluster.known(self.rec.job_id):
+                    return False  # listed a moment later: no conclusion from this answer
+            except cluster.Unreachable as e:
+                self.no_answer = e
+                return False
         if self.info is not None:
             before = self.rec.state
             update(self.rec, self.info)
             if self.info.state == "running" and before == "starting":
                 self.rec.state = "starting"  # until its servers registered
+        return True
 
     def _read_ready(self) -> None:
         for i in range(len(self.plan.servers)):
