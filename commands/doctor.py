@@ -180,6 +180,8 @@ def render_hang(rep, show_locals: bool = False) -> None:
             console.out.print(f"  odd ranks: [bold red]{_ranks_text(v.odd_ranks)}[/]{on}")
         if v.hint:
             console.out.print(f"  [yellow]hint:[/] {escape(v.hint)}")
+        for rank, e in sorted(v.reached.items()):  # from the flight recorder
+            console.out.print(f"  [dim]rank {rank}: {escape(e.label())}[/]")
     tree = Tree(f"[bold]{escape(job.label)}[/]", guide_style="dim")
     by_rank = {r.rank: r for r in a.ranks}
     for g in a.groups:

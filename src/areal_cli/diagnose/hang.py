@@ -5,6 +5,12 @@ a bug report.
 One sample cannot tell a hang from a healthy job caught inside a collective, so a hang is only
 called when nothing moved across the samples. Samples after the first cost little on a hung
 job: a rank none of whose Python threads ran since the last sample is not dumped again.
+
+Ranks on areal's worker runtime also answer over their doctor channel with torch's flight
+recorder (diagnose.flight), asked once after the last sample, all ranks at once: the verdict
+then knows each process group's collective numbers, ops, sizes and dtypes. Where it finds a
+shape or group mismatch, torch's own analyzer (`torchfrtrace`) is run on the dumps too, and
+what it says joins the evidence.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from areal_cli.diagnose import permissions, stacks
+from areal_cli.diagnose import flight, permissions, stacks
 from areal_cli.diagnose.targets import Job, RankProc
 from areal_cli.diagnose.verdict import Analysis, RankSamples, analyze
 from areal_cli.errors import EXIT_FAILED, ArealError, UsageError
@@ -44,8 +50,12 @@ class HangReport:
     errors: list[dict] = field(default_factory=list)
     elapsed_s: float = 0.0
     # Seconds spent: preflight_s checking permissions, dump_s running py-spy, wait_s between
-    # samples, judge_s classifying.
+    # samples, flight_s asking the flight recorders, judge_s classifying.
     timing: dict[str, float] = field(default_factory=dict)
+    # rank -> its flight recorder's dump; flight_errors: rank -> why there is none.
+    flights: dict[int, flight.RankFlight] = field(default_factory=dict)
+    flight_errors: dict[int, str] = field(default_factory=dict)
+    torch_analysis: list[str] = field(default_factory=list)  # what torchfrtrace said
 
     @property
     def failed(self) -> bool:
@@ -60,6 +70,11 @@ class HangReport:
         return {
             "job": self.job.to_json(),
             **analysis,
+            "flight": {
+                "ranks": sorted(self.flights),
+                "errors": {str(r): e for r, e in sorted(self.flight_errors.items())},
+                "torch_analysis": self.torch_analysis,
+            },
             "samples": self.samples,
             "errors": self.errors,
             "elapsed_s": round(self.elapsed_s, 3),
@@ -79,6 +94,7 @@ def diagnose(
     show_locals: bool = False,
     timeout: float = stacks.DEFAULT_TIMEOUT,
     on_progress: ProgressFn | None = None,
+    with_flight: bool = True,
 ) -> list[HangReport]:
     """Dump and judge every rank of `jobs`, `samples` times, `interval` seconds apart (start to
     start). Raises AttachError when no rank can be read, TargetsExited when all exited."""
@@ -131,7 +147,13 @@ def diagnose(
             break  # nothing left to sample
 
     t0 = time.monotonic()
-    reports = [_judge(job, rounds, tracer) for job in jobs]
+    # After the last sample: the recorder then says where the ranks stand as the last stacks do.
+    flights = flight.gather(pids) if with_flight else {}
+    flight_s = time.monotonic() - t0
+    t0 = time.monotonic()
+    reports = [_judge(job, rounds, tracer, flights=flights) for job in jobs]
+    for rep in reports:
+        _torch_analysis(rep)
     judge_s = time.monotonic() - t0
     for rep in reports:
         rep.elapsed_s = time.monotonic() - started
@@ -139,6 +161,7 @@ def diagnose(
             "preflight_s": preflight_s,
             "dump_s": dump_s,
             "wait_s": wait_s,
+            "flight_s": flight_s,
             "judge_s": judge_s,
         }
     if all(rep.analysis.verdict is None for rep in reports):
@@ -196,7 +219,9 @@ def _diagnose_on_nodes(job: Job, **opts) -> HangReport:
     return rep
 
 
-def _judge(job: Job, rounds: list[dict], tracer, key=lambda r: r.pid) -> HangReport:
+def _judge(
+    job: Job, rounds: list[dict], tracer, key=lambda r: r.pid, flights: dict | None = None
+) -> HangReport:
     sourced: set[int] = set()
     for rd in rounds:
         for d in rd.values():
@@ -207,8 +232,19 @@ def _judge(job: Job, rounds: list[dict], tracer, key=lambda r: r.pid) -> HangRep
         RankSamples(rank=r.rank, pid=r.pid, dumps=[rd[key(r)] for rd in rounds if key(r) in rd])
         for r in job.ranks
     ]
+    by_rank: dict[int, flight.RankFlight] = {}
+    flight_errors: dict[int, str] = {}
+    for r in job.ranks:
+        got = (flights or {}).get(r.pid)
+        if isinstance(got, flight.RankFlight):
+            by_rank[r.rank if r.rank is not None else got.rank] = got
+        elif got is not None and not got.startswith("absent"):
+            flight_errors[r.rank] = got
     analysis = analyze(
-        per_rank, expected_ranks=job.expected_local_ranks(), multi_host=job.multi_host
+        per_rank,
+        expected_ranks=job.expected_local_ranks(),
+        multi_host=job.multi_host,
+        flights=by_rank,
     )
     errors = [
         {
@@ -227,7 +263,32 @@ def _judge(job: Job, rounds: list[dict], tracer, key=lambda r: r.pid) -> HangRep
         samples=len(rounds),
         dumps={key(r): [rd[key(r)] for rd in rounds if key(r) in rd] for r in job.ranks},
         errors=errors,
+        flights=by_rank,
+        flight_errors=flight_errors,
     )
+
+
+def _torch_analysis(rep: HangReport) -> None:
+    """torch's analyzer on a mismatch the recorder showed: its own words join the evidence.
+    It runs in the ranks' interpreter (which has torch; the doctor never imports it)."""
+    v = rep.analysis.verdict
+    if v is None or v.kind not in ("shape_mismatch", "wrong_group") or not rep.flights:
+        return
+    import tempfile
+
+    pid = next((r.pid for r in rep.job.ranks if r.pid), None)
+    try:
+        # argv[0], not /proc/PID/exe: that resolves a venv's python to the base interpreter,
+        # which lacks the venv's torch.
+        python = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+    except (OSError, UnicodeDecodeError):
+        return
+    if not os.path.isabs(python):
+        return
+    with tempfile.TemporaryDirectory(prefix="areal-fr-") as d:
+        said = flight.torch_analysis(list(rep.flights.values()), python, Path(d))
+    rep.torch_analysis = said
+    v.evidence += [f"torch's analyzer: {line}" for line in said if flight.is_finding(line)]
 
 
 def _raise_unreadable(reports: list[HangReport]) -> None:
@@ -318,6 +379,15 @@ def write_bundle(reports: list[HangReport], out_dir: str | Path) -> list[Path]:
                     path = path.with_suffix(".error.txt")
                     path.write_text(f"{d.error_kind}: {d.error}\n")
                 written.append(path)
+        if rep.flights:
+            fr = sub / "flight-recorder"
+            fr.mkdir(exist_ok=True)
+            for rank, f in sorted(rep.flights.items()):
+                path = fr / f"rank{rank}.json"
+                path.write_text(json.dumps({"rank": rank, "groups": f.groups, "dump": f.raw}))
+                written.append(path)
+            # torchfrtrace reads these as they are: `torchfrtrace DIR --prefix fr_trace_`
+            written += flight.write_torch_dumps(list(rep.flights.values()), fr / "torch")
     summary = out / "summary.json"
     data = to_json(reports)
     data["host"] = os.uname().nodename

@@ -20,6 +20,10 @@ A hang is only called when nothing moved. Verdicts, first match wins:
     missing_rank               WORLD_SIZE says N, a rank's process is gone, the rest wait
     no_hang                    with several samples, every rank moved
     progressing                with several samples, some ranks moved while others waited
+    shape_mismatch             (flight recorder) ranks recorded one collective of a group, the
+                               same op, with different sizes, and one of them still waits in it
+    wrong_group                (flight recorder) ranks wait in collectives of different process
+                               groups, a member of one waiting in another
     straggler                  some ranks compute (stuck in one loop) while others wait
     collective_type_mismatch   ranks wait in different collectives
     mismatched_collective      some ranks wait in a collective, others idle elsewhere
@@ -27,6 +31,12 @@ A hang is only called when nothing moved. Verdicts, first match wins:
                                other hosts)
     blocked_outside_collective nobody is in a collective, everybody is blocked
     no_hang                    nothing waits (everybody computes)
+
+Where the ranks answered the doctor's channel (areal_cli.worker.channel), torch's flight
+recorder adds what a stack cannot show: for each process group, each rank's last collective
+number, op, sizes, dtypes and state (flight.py). Every verdict then says which collective
+number each rank reached (`reached`), and a rank blocked in C++, whose stack shows no
+collective, still gets its place from the collective it waits in.
 
 Each verdict says how sure it is (`confidence`, `certainty`): one sample is a snapshot; several
 samples in which nothing moved are evidence over that window, not beyond it.
@@ -39,9 +49,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from areal_cli.diagnose import collectives
+from areal_cli.diagnose.flight import Entry, RankFlight, groups_disagree, sizes_disagree
 from areal_cli.diagnose.stacks import Dump, Frame, ThreadStack
 
 KINDS = (
+    "shape_mismatch",
+    "wrong_group",
     "mismatched_collective",
     "collective_type_mismatch",
     "missing_rank",
@@ -102,6 +115,11 @@ class RankResult:
     wakeups: int | None = None
     error: str | None = None
     error_kind: str | None = None
+    flight: RankFlight | None = None  # its flight recorder's dump, when it answered
+
+    @property
+    def reached(self) -> Entry | None:
+        return self.flight.reached() if self.flight else None
 
     @property
     def moved(self) -> bool:
@@ -119,6 +137,7 @@ class RankResult:
             "progress": self.progress,
             "wakeups": self.wakeups,
             "error": self.error,
+            "flight": self.flight.to_json() if self.flight else None,
             "stack": [f.to_json() for f in self.stack],
         }
 
@@ -151,6 +170,8 @@ class Verdict:
     hint: str | None = None
     confidence: str = "low"  # "high": confirmed over several samples (or a rank is gone)
     certainty: str = ""  # how sure, in words
+    # rank -> the collective it waits in (else its last one), from the flight recorder.
+    reached: dict[int, Entry] = field(default_factory=dict)
 
     @property
     def is_hang(self) -> bool:
@@ -167,6 +188,7 @@ class Verdict:
             "summary": self.summary,
             "evidence": self.evidence,
             "hint": self.hint,
+            "reached": {str(r): e.to_json() for r, e in sorted(self.reached.items())},
         }
 
 
@@ -322,8 +344,13 @@ def analyze(
     ranks: list[RankSamples],
     expected_ranks: list[int] | None = None,
     multi_host: bool = False,
+    flights: dict[int, RankFlight] | None = None,
 ) -> Analysis:
+    """`flights`: rank -> its flight recorder's dump, for the ranks that gave one."""
     results = [classify_rank(r) for r in ranks]
+    for r in results:
+        if flights and r.rank in flights:
+            place_by_flight(r, flights[r.rank])
     known = {r.rank for r in results}
     for missing in sorted(set(expected_ranks or ()) - known):
         results.append(RankResult(missing, None, "missing", error="no process for this rank"))
@@ -339,7 +366,22 @@ def analyze(
     verdict = decide(results, groups, samples, multi_host)
     if verdict is not None:
         verdict.confidence, verdict.certainty = how_sure(verdict, results, samples, window)
+        verdict.reached = {r.rank: r.reached for r in results if r.reached is not None}
     return Analysis(results, groups, verdict)
+
+
+def place_by_flight(r: RankResult, f: RankFlight) -> None:
+    """Attach the rank's flight recorder; a rank whose stack names no collective (blocked in
+    C++ where py-spy sees native frames only, or unreadable) but which waits in one by its
+    recorder is placed in that one."""
+    r.flight = f
+    waits = f.pending()
+    if waits is None or r.state not in ("idle", "error"):
+        return
+    r.state = "collective"
+    r.collective = collectives.kind_of(waits.op) or waits.op
+    r.op = waits.op
+    r.error = r.error_kind = None
 
 
 def group_ranks(results: list[RankResult]) -> list[Group]:
@@ -421,6 +463,10 @@ def decide(
                     else "run the doctor again, or with more --samples, if this does not change"
                 ),
             )
+
+    flown = _flight_verdict(present)
+    if flown is not None:
+        return flown
 
     if waiting and busy:
         detail = ""
@@ -538,6 +584,85 @@ def decide(
     )
 
 
+def _majority(by: dict, ranks_of) -> tuple[object, list[int]]:
+    """(the key most ranks share, the ranks of every other key): ties go to the key of the
+    lowest rank, as for collective_type_mismatch."""
+    main = min(by, key=lambda k: (-len(ranks_of(k)), min(ranks_of(k))))
+    odd = sorted(r for k in by if k != main for r in ranks_of(k))
+    return main, odd
+
+
+def _flight_verdict(present: list[RankResult]) -> Verdict | None:
+    flights = [r.flight for r in present if r.flight is not None and r.flight.ok]
+    if len(flights) < 2:
+        return None
+    by_rank = {r.rank: r for r in present}
+    found = sizes_disagree(flights)
+    if found is not None:
+        first, per_rank = found
+        by_size: dict[tuple, list[int]] = {}
+        for rank, e in sorted(per_rank.items()):
+            by_size.setdefault(e.input_sizes, []).append(rank)
+        _main, odd = _majority(by_size, lambda k: by_size[k])
+        sizes = "; ".join(
+            f"{_ranks_word(rs)} {_sizes(k)} {','.join(per_rank[rs[0]].dtypes)}"
+            for k, rs in by_size.items()
+        )
+        waiting_in = sorted(r for r, e in per_rank.items() if e.pending)
+        gone_on = sorted(r for r, e in per_rank.items() if not e.pending)
+        tail = (
+            f"; {_ranks_word(waiting_in)} still {'waits' if len(waiting_in) == 1 else 'wait'} in it"
+        )
+        if gone_on:
+            tail += (
+                f", {_ranks_word(gone_on)} returned from it (with wrong data) and went on to "
+                + ", ".join(
+                    f"#{by_rank[r].reached.seq}"
+                    for r in gone_on
+                    if by_rank.get(r) and by_rank[r].reached
+                )  # fmt: skip
+            )
+        where = next((by_rank[r] for r in odd if r in by_rank), None)
+        return Verdict(
+            "shape_mismatch",
+            odd,
+            [],
+            f"collective #{first.seq} of group {first.desc or first.pg} ({first.op}) got "
+            f"different sizes: {sizes}{tail}",
+            evidence=[_line(r) for r in present],
+            hint="every rank must give a collective tensors of the same shape and dtype: look "
+            f"at how the tensor is sized on {_ranks_word(odd)}"
+            + (f" before {_where(where)}" if where else "")
+            + " (uneven batches, a rank-dependent padding or model part)",
+        )
+    by_group = groups_disagree(flights)
+    if by_group is not None:
+        _main, odd = _majority(by_group, lambda k: by_group[k])
+        desc = {e.pg: e.desc or e.pg for f in flights if (e := f.pending()) is not None}
+        parts = "; ".join(
+            f"{_ranks_word(rs)} in group {desc[pg]} (#{by_rank[rs[0]].reached.seq} "
+            f"{by_rank[rs[0]].reached.op})"
+            for pg, rs in by_group.items()
+        )
+        return Verdict(
+            "wrong_group",
+            odd,
+            [],
+            f"ranks wait in collectives of different process groups: {parts}; each group "
+            "waits for members that sit in the other",
+            evidence=[_line(r) for r in present],
+            hint="every member of a group must call its collectives with that same group: "
+            f"look for the group {_ranks_word(odd)} chose (a dp/tp mix-up, a group picked by "
+            "rank) before "
+            + (_where(by_rank[odd[0]]) if odd and odd[0] in by_rank else "the collective"),
+        )
+    return None
+
+
+def _sizes(k: tuple) -> str:
+    return "[" + ", ".join("x".join(map(str, s)) or "scalar" for s in k) + "]"
+
+
 def how_sure(v: Verdict, results: list[RankResult], samples: int, window: float) -> tuple[str, str]:
     """("high" | "low", why): what the samples prove about this verdict."""
     over = f"{samples} samples over {window:.1f}s"
@@ -621,4 +746,5 @@ def _line(r: RankResult) -> str:
     where = _where(r)
     pid = f" (pid {r.pid})" if r.pid else ""
     prog = f" [{r.progress}]" if r.progress else ""
-    return f"rank {r.rank}{pid}: {what} at {where}{prog}"
+    reached = f"; {r.reached.label()}" if r.reached is not None else ""
+    return f"rank {r.rank}{pid}: {what} at {where}{prog}{reached}"

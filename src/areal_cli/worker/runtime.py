@@ -74,6 +74,14 @@ class WorkerContext:
     def dp_size(self) -> int:
         return self.dp_mesh.size()
 
+    def progress(self, step: int | None = None) -> None:
+        """Tell the watchdog this rank moved on (call it once per training step): a job none of
+        whose ranks report for `--watchdog` seconds gets the hang doctor. Costs nothing to
+        speak of (no I/O; the doctor asks for it over the rank's channel)."""
+        from areal_cli.worker import channel
+
+        channel.report_progress(step)
+
     def barrier(self) -> None:
         import torch.distributed as dist
 
@@ -118,6 +126,9 @@ class WorkerContext:
             except Exception:
                 pass
             self._rank_entry = None
+        from areal_cli.worker import channel
+
+        channel.stop()
         if _CONTEXT is self:
             _CONTEXT = None
         import gc
@@ -181,6 +192,11 @@ def connect(*, timeout_s: float = 600.0) -> WorkerContext:
             timeout=datetime.timedelta(seconds=timeout_s),
         )
     mesh = dims.build_mesh(device_type)
+    from areal_cli.worker import channel
+
+    # The doctor's way in: a thread of this rank's own answers it even while the main
+    # thread sits in a collective (the flight recorder's dump, the last step).
+    channel.start(os.environ.get("AREAL_HOME") or None)
 
     experiment = os.environ.get("AREAL_EXPERIMENT") or settings.DEFAULT_EXPERIMENT
     trial = os.environ.get("AREAL_TRIAL") or settings.DEFAULT_TRIAL
