@@ -61,7 +61,13 @@ def tail(path: str | Path, n: int = 20, max_bytes: int = 64 * 1024) -> list[str]
 
 
 class Follower:
-    """New whole lines of a folder's log files, file by file, as they grow."""
+    """New whole lines of a folder's log files, file by file, as they grow.
+
+    A file replaced by a new run (see fresh_log) is told by its inode, and a filesystem
+    reuses the inode of an unlinked file (ext4 hands the next run's log the very same one).
+    So the follower holds every file it follows open: an open inode cannot be freed, hence
+    not reused, and a file at the path with another inode than the one held is a new file,
+    read from its start."""
 
     def __init__(
         self,
@@ -74,16 +80,25 @@ class Follower:
         self.log_dir, self.role, self.index, self.roles = Path(log_dir), role, index, roles
         self.history = history
         self.offsets: dict[str, int] = {}
-        self._known: dict[str, tuple[int, int]] = {}  # label → (inode, size) to skip
+        self._held: dict[str, tuple[int, int, int]] = {}  # label → (fd, inode, device)
 
     def skip_existing(self) -> None:
         """Start every file that exists now at its end, unless it is replaced later."""
         for label, path in select_logs(self.log_dir, self.role, self.index).items():
-            try:
-                st = path.stat()
-            except OSError:
-                continue
-            self._known[label] = (st.st_ino, st.st_size)
+            st = self._hold(label, path)
+            if st is not None:
+                self.offsets[label] = st.st_size
+
+    def close(self) -> None:
+        for fd, _, _ in self._held.values():
+            os.close(fd)
+        self._held.clear()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - at interpreter shutdown
+            pass
 
     def poll(self) -> Iterator[tuple[str, str]]:
         for label, path in select_logs(self.log_dir, self.role, self.index).items():
@@ -91,16 +106,26 @@ class Follower:
                 continue
             if label not in self.offsets:
                 yield from self._start(label, path)
+                if label not in self.offsets:
+                    continue  # gone before it could be opened
             yield from self._new(label, path)
 
-    def _start(self, label: str, path: Path) -> Iterator[tuple[str, str]]:
+    def _hold(self, label: str, path: Path) -> os.stat_result | None:
+        """Open the file at `path` as the one followed under `label` (closing the one held)."""
         try:
-            st = path.stat()
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
-            return
-        known = self._known.get(label)
-        if known is not None and known[0] == st.st_ino:
-            self.offsets[label] = known[1]  # the same file as before: only what comes after
+            return None
+        st = os.fstat(fd)
+        old = self._held.pop(label, None)
+        if old is not None:
+            os.close(old[0])
+        self._held[label] = (fd, st.st_ino, st.st_dev)
+        return st
+
+    def _start(self, label: str, path: Path) -> Iterator[tuple[str, str]]:
+        st = self._hold(label, path)
+        if st is None:
             return
         self.offsets[label] = 0 if self.history is None else st.st_size
         if self.history:
@@ -108,16 +133,25 @@ class Follower:
                 yield label, line
 
     def _new(self, label: str, path: Path) -> Iterator[tuple[str, str]]:
+        held = self._held.get(label)
+        try:
+            st = path.stat()
+        except OSError:
+            return
+        if held is None or (held[1], held[2]) != (st.st_ino, st.st_dev):
+            # Another file at the path: a new run's log, read from its start.
+            if self._hold(label, path) is None:
+                return
+            self.offsets[label] = 0
+            held = self._held[label]
         start = self.offsets[label]
         try:
-            size = path.stat().st_size
-            if size < start:  # replaced by a new run of the same job
+            size = os.fstat(held[0]).st_size
+            if size < start:  # truncated where it is
                 start = 0
             if size == start:
                 return
-            with path.open("rb") as f:
-                f.seek(start)
-                chunk = f.read(size - start)
+            chunk = os.pread(held[0], size - start, start)
         except OSError:
             return
         # Whole lines only; a partial last line waits for the next round.
@@ -148,6 +182,7 @@ def follow_in_background(
             for label, line in follower.poll():
                 on_line(label, line)
             if stopping:
+                follower.close()
                 return
 
     t = threading.Thread(target=loop, name="log-follower", daemon=True)
