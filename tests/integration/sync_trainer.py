@@ -36,6 +36,8 @@ def main() -> None:
     ap.add_argument("--wait-file", default=None)
     ap.add_argument("--weights-dir", default=None)
     ap.add_argument("--flatten", action="store_true", help="send flattened_bucket buckets")
+    ap.add_argument("--stall-timeout", type=float, default=10.0)
+    ap.add_argument("--probe-timeout", type=float, default=5.0)
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -50,7 +52,14 @@ def main() -> None:
     reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     if ctx.world_size > 1:
         model = shard_model(model, ctx.mesh)
-    client = RolloutClient(args.servers.split(","), backend="hf", retries=0, cooldown=1.0)
+    client = RolloutClient(
+        args.servers.split(","),
+        backend="hf",
+        retries=0,
+        cooldown=1.0,
+        stall_timeout=args.stall_timeout,
+        probe_timeout=args.probe_timeout,
+    )
     for k in range(1, args.syncs + 1):
         if k > 1 and args.wait_file:
             while not Path(args.wait_file).exists():

@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from areal_cli import apikeys, control, settings
+from areal_cli.health import probe_health
 from areal_cli.registry import FileRegistry
 from tests.helpers import AREAL, REPO, areal
 from tests.integration.helpers_server import HfServer, request
@@ -267,4 +268,26 @@ def test_a_hung_replica_costs_seconds_not_minutes(tiny, areal_env):
         if train.poll() is None:
             train.kill()
             train.wait()
+        areal("stop", "default/trial0", check=0)
+
+
+def test_a_server_paused_for_a_sync_stays_in_discovery(tiny, areal_env):
+    """A paused server fails /health (it generates nothing), yet is alive: a sync longer
+    than the registry's TTL must find it listed when it resumes."""
+    home, reg = areal_env
+    (srv,) = serve(tiny, env={"AREAL_REGISTRY_TTL": "3"}, alloc="hf:d1")  # probes every 1 s
+    key = job_key(home)
+    auth = {"Authorization": f"Bearer {key}"}
+    try:
+        status, _ = request(f"http://{srv['addr']}/pause_generation", {"mode": "retract"},
+                            method="POST", headers=auth)  # fmt: skip
+        assert status == 200
+        host, _, port = srv["addr"].rpartition(":")
+        assert not probe_health(host, int(port), "/health", key, timeout=2)
+        time.sleep(9)  # three TTLs
+        assert [e.addr for e in FileRegistry(reg).list().servers] == [srv["addr"]]
+        log = home / "logs" / settings.user() / "default" / "trial0" / "server-0.log"
+        assert "taken out of discovery" not in log.read_text()
+        assert control.resume(srv["addr"], "hf", key) is True
+    finally:
         areal("stop", "default/trial0", check=0)

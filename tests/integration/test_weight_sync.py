@@ -13,6 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from areal_cli.modelgen import create_tiny_model
@@ -283,3 +284,39 @@ def test_a_session_left_open_by_a_dead_trainer_does_not_block_the_next(models, t
     (line,) = run_trainer(trainer(models["tiny"], [srv]))
     assert line["ok"], line
     assert version(srv) == "1" and greedy(srv) == line["expected"]
+
+
+def test_a_server_hung_mid_broadcast_costs_stall_plus_probe_and_the_sync_goes_on(models, tmp_path):
+    """SIGSTOP in the middle of the broadcast: rank 0 must not sit in the group's teardown
+    (gloo's abort waits for the blocked broadcast) for the whole timeout."""
+    stall, probe, timeout = 2.0, 2.0, 60.0
+    a, b = start(models["mid"], tmp_path, 2, "--weight-sync-timeout", "60")
+    cmd = trainer(models["mid"], [a, b], "--timeout", str(timeout), "--stall-timeout", str(stall),
+                  "--probe-timeout", str(probe))  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    stopped = psutil.Process(b.proc.pid)
+    try:
+        deadline = time.monotonic() + 120
+        # One bucket of the whole model: the hang lands inside its broadcast.
+        while not b.get("/server_info")[1]["weight_update"]["receiving"]:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.002)
+        stopped.suspend()
+        hung_at = time.monotonic()
+        line = json.loads(proc.stdout.readline())
+        took = time.monotonic() - hung_at
+        alive, hung = f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"
+        assert line["ok"] is True and line["servers"] == [alive], (line, a.log()[-2000:])
+        assert list(line["failed"]) == [hung] and "stopped answering" in line["failed"][hung]
+        assert took <= stall + probe + 5, took
+        assert version(a) == "1" and greedy(a) == line["expected"]
+        print(f"\nserver hung mid-broadcast: the sync went on without it after {took:.1f}s")
+        assert proc.wait(60) == 0
+    finally:
+        if stopped.is_running():
+            stopped.resume()
+        proc.kill()
+        proc.wait()
+        a.stop()
+        b.stop()

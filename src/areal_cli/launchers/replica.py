@@ -220,6 +220,10 @@ class Replica:
             ok = probe_health(
                 host, int(port), self.p["health_path"], self.key, timeout=min(5.0, interval)
             )
+            if not ok and self._paused(host, int(port), min(5.0, interval)):
+                # A paused server fails /health (it generates nothing) yet is alive: a
+                # weight sync paused it, and must find it listed when it resumes.
+                ok = True
             if self.server.poll() is not None:
                 continue
             if not ok:
@@ -247,6 +251,13 @@ class Replica:
                 # a fresh registration under a new lease puts the server back.
                 if self._publish("registered again"):
                     failed_renewals = 0
+
+    def _paused(self, host: str, port: int, timeout: float) -> bool:
+        from areal_cli import control
+        from areal_cli.health import _connect_host
+
+        backend = self.p.get("backend") or "sglang"
+        return control.paused(f"{_connect_host(host)}:{port}", backend, self.key, timeout) is True
 
     def _deregister(self) -> None:
         if self.entry is None:

@@ -17,6 +17,7 @@ offset aligned to its dtype's item size.
 from __future__ import annotations
 
 import datetime
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,6 +136,22 @@ class Group:
             except Exception:  # already broken, or not supported by this backend
                 continue
         self._store = None
+
+
+def close_soon(group: Any, wait_s: float) -> None:
+    """`group.close()` in a thread of its own, waited for at most `wait_s`. Gloo's abort
+    waits for a collective blocked on a hung peer (up to the group's timeout); the caller,
+    an event loop among them, must not wait with it."""
+
+    def close() -> None:
+        try:
+            group.close()
+        except Exception:  # a broken group is being dropped anyway
+            pass
+
+    t = threading.Thread(target=close, daemon=True, name="weight-group-close")
+    t.start()
+    t.join(wait_s)
 
 
 def join(

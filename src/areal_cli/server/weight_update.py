@@ -128,7 +128,9 @@ class WeightUpdates:
         if self.session is not None and group_name in self.session.groups:
             self.session.broken = f"group {group_name} was destroyed during the session"
         if entry.group is not None:
-            entry.group.close()
+            # Not on the event loop: a receive blocked on a hung peer makes the teardown
+            # wait for it, and /health, /pause_generation ... must go on answering.
+            weight_group.close_soon(entry.group, 0)
         return True, "Succeeded to destroy custom process group."
 
     def stats(self) -> dict[str, Any]:
@@ -143,7 +145,7 @@ class WeightUpdates:
     def close(self) -> None:
         for entry in self.groups.values():
             if entry.group is not None:
-                entry.group.close()
+                weight_group.close_soon(entry.group, 1.0)
         self.groups.clear()
 
     # -- the session ----------------------------------------------------------------------------

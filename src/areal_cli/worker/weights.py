@@ -204,6 +204,8 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 _SERVING_DTYPES = ("float32", "bfloat16", "float16")
 # After a broken collective, how long to wait for the HTTP error that names the server.
 HTTP_GRACE_S = 3.0
+# How long dropping a group may hold up the sync (a hung peer can make it take the timeout).
+CLOSE_WAIT_S = 1.0
 
 
 def sync_weights(
@@ -356,14 +358,15 @@ class _Transfer:
     dtype: str | None = None  # what the servers hold their weights in, when they say
     sent_meta: Any = None  # vLLM: the metadata its servers already hold
 
-    def close(self) -> None:
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Drop the group. Gloo's abort waits for a broadcast blocked on a hung peer (up to
+        the group's timeout), so the teardown runs in a thread of its own and is waited for
+        only `wait_s`: the sync goes on with the other servers meanwhile."""
+        from areal_cli.server import weight_group
+
         group, self.group = self.group, None
-        if group is None:
-            return
-        try:
-            group.close()
-        except Exception:  # a broken group is being dropped anyway
-            pass
+        if group is not None:
+            weight_group.close_soon(group, wait_s)
 
 
 # One group per client, made by the first distributed sync and reused by the next ones.
