@@ -216,7 +216,8 @@ def show_plan(request, json_out: bool) -> None:
     data = plan.to_json()
     for p in data["processes"]:
         addr = f"  http://{p['host']}:{p['port']}" if p.get("port") else ""
-        gpus_ = ",".join(map(str, p["gpus"])) or "cpu"
+        cores = ",".join(map(str, p.get("cpus") or ()))
+        gpus_ = ",".join(map(str, p["gpus"])) or (f"none (CPU cores {cores})" if cores else "cpu")
         label = "torchrun" if p["role"] == "trainer" else f"{p['role']}-{p['index']}"
         where = data.get("placement", {}).get(label)  # where a cluster scheduler puts it
         console.print(f"[bold cyan]{label}[/]{addr}  " + (where or f"GPUs {gpus_}"))

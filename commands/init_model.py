@@ -13,7 +13,9 @@ def register(app: typer.Typer) -> None:
         directory: Path = typer.Argument(
             ..., metavar="DIR", help="Directory to write the model into."
         ),
-        hidden_size: int = typer.Option(64, "--hidden-size", help="Hidden size (multiple of 8)."),
+        hidden_size: int = typer.Option(
+            64, "--hidden-size", help="Hidden size (a multiple of 32)."
+        ),
         layers: int = typer.Option(2, "--layers", help="Number of transformer layers."),
         seed: int = typer.Option(0, "--seed", help="Weights are a function of the seed."),
         force: bool = typer.Option(False, "--force", help="Overwrite model files in DIR."),

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from areal_cli import apikeys
 from areal_cli.errors import UsageError, WaitTimeout
-from areal_cli.health import probe_health
+from areal_cli.health import PROBE_TIMEOUT, probe_health
 from areal_cli.registry import Registry, ServerEntry
 
 MAX_PROBES = 64  # health probes in flight at once
@@ -41,7 +41,7 @@ class Found:
 def healthy(
     addrs: list[str],
     api_key: str | None = None,
-    timeout: float = 2.0,
+    timeout: float = PROBE_TIMEOUT,
     deadline: float | None = None,
 ) -> dict[str, bool]:
     """addr → answers /health within `timeout` (MAX_PROBES at once). With a `deadline`
@@ -104,8 +104,9 @@ def from_registry(
         entries = _unique(registry.list(experiment, trial).servers)
         usable, key, skipped = trusted(home, entries)
         # At least a short round even when the wait is over (--wait-servers 0 still looks).
-        round_end = max(deadline, time.monotonic() + 0.5)
-        status = healthy([e.addr for e in usable], key, timeout=2.0, deadline=round_end)
+        # A round is long enough for SGLang's /health (health.PROBE_TIMEOUT: it takes 1 s).
+        round_end = max(deadline, time.monotonic() + PROBE_TIMEOUT)
+        status = healthy([e.addr for e in usable], key, deadline=round_end)
         good = [e for e in usable if status.get(e.addr)]
         # Paused servers: a vLLM one answers /health, an hf or SGLang one does not (its
         # /health waits for a token the pause holds back): those count when too few are

@@ -48,6 +48,11 @@ MODEL_FILES = (
 _STALE_WEIGHT_GLOBS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin")
 
 
+# Heads of 32: the smallest head size vLLM's CPU attention takes
+# (v1/attention/backends/cpu_attn.py:69-70, 32..512), and one SGLang, vLLM and hf all serve.
+HEAD_DIM = 32
+
+
 def padded_vocab_size() -> int:
     n = NUM_BYTE_TOKENS + len(SPECIAL_TOKENS)
     return (n + VOCAB_ALIGN - 1) // VOCAB_ALIGN * VOCAB_ALIGN
@@ -58,8 +63,8 @@ def create_tiny_model(
     *,
     hidden_size: int = 64,
     num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
     intermediate_size: int = 128,
     seed: int = 0,
     max_position_embeddings: int = 512,
@@ -67,8 +72,19 @@ def create_tiny_model(
     """Write a tiny Qwen2-style causal LM with random weights to `path` and return it.
 
     Existing model files in `path` are overwritten; use `check_target_dir` first where a
-    non-empty directory should be refused.
+    non-empty directory should be refused. Unless given, the heads are of HEAD_DIM (so the
+    hidden size must be a multiple of it) and two share a KV head.
     """
+    if num_heads is None:
+        if hidden_size < HEAD_DIM or hidden_size % HEAD_DIM:
+            raise UsageError(
+                f"hidden_size {hidden_size} is not a multiple of {HEAD_DIM}",
+                hint=f"heads are {HEAD_DIM} wide (the smallest vLLM's CPU attention takes): "
+                "use 32, 64, 96, ...",
+            )
+        num_heads = hidden_size // HEAD_DIM
+    if num_kv_heads is None:
+        num_kv_heads = max(1, num_heads // 2) if num_heads % 2 == 0 else num_heads
     _validate_shape(hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size)
     out = Path(path).expanduser()
     out.mkdir(parents=True, exist_ok=True)

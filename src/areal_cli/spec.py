@@ -105,6 +105,11 @@ class ProcessPlan:
     port: int | None = None
     backend: str | None = None
     health_path: str | None = None  # polled until 200 before the process counts as ready
+    # Cores the process is pinned to (an engine's CPU build on a host without GPUs).
+    cpus: list[int] = field(default_factory=list)
+    # [path, JSON body]: one tiny request sent after /health says 200, before the server
+    # counts as ready: an engine can die on its first real request.
+    first_request: list | None = None
 
     @property
     def label(self) -> str:

@@ -178,7 +178,7 @@ def test_bad_input_exits_2_without_traceback(model, tmp_path):
         ),
         (["serve", "--model", str(model), "--alloc", "hf:d1+fsdp:d2"], "train component"),
         (["serve", "--model", str(tmp_path / "nope")], "does not exist"),
-        (["serve", "--model", str(model), "--backend", "sglang"], "needs GPUs"),
+        (["serve", "--model", str(model), "--backend", "sglang"], "make engines"),
         (
             ["serve", "--model", str(model), "--backend", "sglang", "--gpus", "0"],
             "areal-cli[sglang]",

@@ -1,4 +1,5 @@
-"""Server command lines and environments against sglang 0.5.23's and vllm 0.33's own flags."""
+"""Server command lines and environments against sglang 0.5.23's and vllm 0.32/0.33's own
+flags, on GPUs and on a host without them (the engines' CPU builds)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,16 @@ SGLANG_FLAGS = {"--model-path", "--host", "--port", "--tp-size", "--pp-size", "-
 # (--generation-config), :1171 (--pipeline-parallel-size), :1209 (--tensor-parallel-size),
 # :1389 (--gpu-memory-utilization), :1915 (--weight-transfer-config); --host, --port from the
 # OpenAI server's arguments. Never --api-key: the key is VLLM_API_KEY (envs.py:829).
-VLLM_FLAGS = {"--host", "--port", "--tensor-parallel-size", "--pipeline-parallel-size", "--seed",
-              "--gpu-memory-utilization", "--logprobs-mode", "--generation-config",
-              "--weight-transfer-config", "--revision"}  # fmt: skip
+VLLM_FLAGS = {"--model", "--host", "--port", "--tensor-parallel-size",
+              "--pipeline-parallel-size", "--seed", "--gpu-memory-utilization", "--logprobs-mode",
+              "--generation-config", "--weight-transfer-config", "--revision"}  # fmt: skip
+# sglang 0.5.23 on CPU: device (fields/device.py), attention_backend, sampling_backend,
+# grammar_backend, cuda_graph_backend_decode/prefill, dtype, max_total_tokens,
+# max_running_requests, chunked_prefill_size (srt/arg_groups/fields/*.py, checked against
+# the installed engine in tests/engines/).
+SGLANG_CPU_FLAGS = {"--device", "--attention-backend", "--sampling-backend", "--grammar-backend",
+                    "--cuda-graph-backend-decode", "--cuda-graph-backend-prefill", "--dtype",
+                    "--max-total-tokens", "--max-running-requests", "--chunked-prefill-size"}  # fmt: skip
 
 
 def role(backend: str, **kw) -> ServerRole:
@@ -67,7 +75,16 @@ def test_hf_and_vllm_keys_only_in_the_environment(name, var):
 def test_vllm_argv_and_env_for_a_trained_server():
     vllm = backends.get("vllm")
     argv = vllm.argv(role("vllm", tp=2), 8000, None, True)
-    assert argv[1:3] == ["serve", "/models/m"] and flags(argv) <= VLLM_FLAGS
+    # entrypoints/launchers/api_server/entry.py `main`: any distribution of vLLM has it
+    # (the `vllm` command needs one named "vllm", entrypoints/cli/main.py:99).
+    assert argv[:5] == [
+        "python",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        "/models/m",
+    ]
+    assert flags(argv) <= VLLM_FLAGS
     # config/model.py:291 (raw_logprobs by default: before temperature), :358-364
     # (generation_config.json would change sampling defaults).
     assert value(argv, "--logprobs-mode") == "processed_logprobs"
@@ -113,3 +130,79 @@ def test_serve_refuses_with_exit_2_and_the_reason(tmp_path):
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("allow_unauthenticated_control: true\n")
     assert areal(*args, "--config", str(cfg)).returncode == 0
+
+
+def test_sglang_on_cpu_runs_its_cpu_engine():
+    sglang = backends.get("sglang")
+    argv = sglang.argv(role("sglang", extra_args=("--dtype", "bfloat16")), 30000, None, False)
+    assert flags(argv) <= (SGLANG_FLAGS | SGLANG_CPU_FLAGS) - {"--base-gpu-id"}
+    assert value(argv, "--device") == "cpu" and value(argv, "--attention-backend") == "torch_native"
+    assert "--mem-fraction-static" not in argv  # the KV pool comes from --max-total-tokens
+    assert argv.count("--dtype") == 1 and value(argv, "--dtype") == "bfloat16"  # the user's wins
+    # srt/utils/common.py:221-224: the CPU engine only with this variable.
+    env = sglang.env(role("sglang"), "k3y", on_gpu=False, cores=[2, 3])
+    assert env == {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "2",
+                   "AREAL_SERVER_API_KEY": "k3y"}  # fmt: skip
+
+
+def test_vllm_on_cpu_binds_each_replica_and_each_rank_to_its_cores():
+    vllm = backends.get("vllm")
+    argv = vllm.argv(role("vllm"), 8000, None, False)
+    assert "--gpu-memory-utilization" not in argv and value(argv, "--dtype") == "float32"
+    env = vllm.env(role("vllm"), None, on_gpu=False, cores=[4, 5, 6, 7])
+    # envs.py:887 (GiB of KV cache), utils/ompmultiprocessing.py:122-167 ("|" per TP rank).
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "4-7"
+    tp2 = vllm.env(role("vllm", tp=2), None, on_gpu=False, cores=[0, 1, 2, 5])
+    assert tp2["VLLM_CPU_OMP_THREADS_BIND"] == "0-1|2,5"
+
+
+def test_cpu_cores_are_split_between_replicas():
+    assert backends.cpu_slices(2, [0, 1, 2, 3, 4]) == [[0, 1, 2], [3, 4]]
+    assert backends.cpu_slices(2, [0, 1]) == [[0], [1]]
+    assert backends.cpu_slices(3, [0, 1]) == [[0], [1], [0]]  # more replicas than cores
+    assert backends.cpu_slices(1) == [sorted(__import__("os").sched_getaffinity(0))]
+
+
+def _fake_engines(root):
+    """Importable `sglang` and `vllm` packages of a GPU build: vllm's distribution is "vllm",
+    and no sgl_kernel exists."""
+    for name in ("sglang", "vllm"):
+        (root / name).mkdir()
+        (root / name / "__init__.py").write_text("")
+    info = root / "vllm-0.33.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n")
+    (info / "top_level.txt").write_text("vllm\n")
+
+
+@pytest.mark.parametrize("name, why", [
+    ("sglang", "its sgl_kernel has no CPU build"),
+    ("vllm", "its vLLM is not the CPU build (vllm 0.33.0)"),
+])  # fmt: skip
+def test_an_engine_without_a_cpu_build_is_refused_on_a_host_without_gpus(
+    tmp_path, monkeypatch, name, why
+):
+    import sys
+
+    _fake_engines(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    backend = backends.get(name)
+    backends.check_installed(backend, sys.executable, on_gpu=True)  # a GPU host: fine
+    with pytest.raises(UsageError) as info:
+        backends.check_installed(backend, sys.executable, on_gpu=False)
+    assert (
+        f"this host has no GPU, and {name} in {sys.executable} cannot run on CPU"
+        in (info.value.message)
+        and why in info.value.message
+    )
+    assert "make engines" in info.value.hint and backends.engine_python(name) in info.value.hint
+
+
+def test_serve_without_gpus_names_what_to_install(tmp_path):
+    # The repository's own interpreter has no engine: one message, exit 2, no traceback.
+    import sys
+
+    res = areal("serve", "--backend", "sglang", "--model", str(tmp_path), "--python",
+                sys.executable, env={"CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "cannot import" in res.stderr and "make engines" in res.stderr

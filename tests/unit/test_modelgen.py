@@ -79,6 +79,14 @@ def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path: Path):
     assert took < 2.0
 
 
+def test_default_heads_are_32_wide(tiny: Path):
+    # vLLM's CPU attention takes head sizes 32..512 (v1/attention/backends/cpu_attn.py:69-70);
+    # 16 passed /health and crashed the first request. tests/engines/ serves this model.
+    config = json.loads((tiny / "config.json").read_text())
+    assert config["head_dim"] == 32 and config["hidden_size"] == 64
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (2, 1)
+
+
 def test_summary_counts_parameters_like_torch(tmp_path: Path):
     from transformers import AutoModelForCausalLM
 
@@ -93,7 +101,8 @@ def test_summary_counts_parameters_like_torch(tmp_path: Path):
 @pytest.mark.parametrize(
     "kw, needle",
     [
-        ({"hidden_size": 30}, "divisible by num_heads"),
+        ({"hidden_size": 30}, "not a multiple of 32"),
+        ({"hidden_size": 30, "num_heads": 4, "num_kv_heads": 2}, "divisible by num_heads"),
         ({"num_heads": 4, "num_kv_heads": 3}, "num_kv_heads"),
         ({"hidden_size": 12, "num_heads": 4, "num_kv_heads": 2}, "odd"),
         ({"num_layers": 0}, "at least 1"),
@@ -146,4 +155,4 @@ def test_init_model_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     assert _digest(target) != first
 
     assert _run_cli(["init-model", str(tmp_path / "odd"), "--hidden-size", "30"]) == 2
-    assert "divisible" in capsys.readouterr().err
+    assert "not a multiple of 32" in capsys.readouterr().err

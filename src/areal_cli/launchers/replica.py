@@ -9,8 +9,12 @@ and put back when it answers again; a server that exits is deregistered and the 
 exits with its code. Every scheduler runs replicas this way (local processes, Slurm steps),
 so a server's liveness never depends on a supervisor being scheduled.
 
+Ready means more than /health: the plan's `first_request` (one tiny generation) must be
+answered too, since an engine can pass /health and die on its first forward pass. A plan's
+`cpus` pin the server to those cores (an engine's CPU build; replicas on cores of their own).
+
 Exit codes: the server's own (128+signal when killed by one), 3 when it never became
-healthy in time, 2 for a bad plan.
+healthy in time or failed its first request, 2 for a bad plan.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from areal_cli.health import probe_health
+from areal_cli.health import PROBE_TIMEOUT, first_request, probe_health
 from areal_cli.launchers import node
 from areal_cli.logfiles import fresh_log
 
@@ -36,6 +40,8 @@ REPLICA_ENV = "AREAL_REPLICA_INDEX"
 PORT_TOKEN = "{port}"  # in argv, replaced by the port chosen on the node
 # Consecutive failed probes (one per renewal) before a server leaves discovery.
 UNHEALTHY_AFTER = 2
+# The first generation may still compile or warm kernels on a CPU build.
+FIRST_REQUEST_TIMEOUT = 180.0
 
 
 class Replica:
@@ -90,10 +96,12 @@ class Replica:
             env["CUDA_VISIBLE_DEVICES"] = ""
         # Found by teardown even when this runner is gone (see replica_processes).
         env[REPLICA_ENV] = str(p["index"])
+        cpus = [int(c) for c in p.get("cpus") or ()]
         try:
             self.server = subprocess.Popen(
                 argv, env=env, stdin=subprocess.DEVNULL, stdout=self._log,
                 stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
             )  # fmt: skip
         except OSError as e:
             self.say(f"cannot start {argv[0]}: {e}")
@@ -117,6 +125,15 @@ class Replica:
             if self.stop.is_set():
                 return self._shutdown()
             self.say(f"not healthy after {self.plan['health_timeout']:g}s; stopping it")
+            self._shutdown()
+            return EXIT_TIMEOUT
+        failed = self._first_request(host, port)
+        if failed:
+            code = self.server.poll()
+            if code is not None:
+                self.say(f"server exited on its first request ({_describe(code)}): {failed}")
+                return _code(code)
+            self.say(f"server answers /health but failed its first request: {failed}; stopping it")
             self._shutdown()
             return EXIT_TIMEOUT
         listed = self._register(host, port)
@@ -152,12 +169,27 @@ class Replica:
         while not self.stop.is_set() and time.monotonic() < deadline:
             if self.server.poll() is not None:
                 return False
-            if probe_health(host, port, self.p["health_path"], self.key, timeout=1.0):
+            if probe_health(host, port, self.p["health_path"], self.key, timeout=PROBE_TIMEOUT):
                 return True
             # Backoff capped near 100 ms: quick to notice readiness, cheap while loading.
             self.stop.wait(min(delay, 0.1))
             delay *= 2
         return False
+
+    def _first_request(self, host: str, port: int) -> str | None:
+        """Why the plan's first request failed, or None when it was answered (or there is
+        none). A server that dies on it gets a moment to exit, so its code is reported."""
+        req = self.p.get("first_request")
+        if not req:
+            return None
+        path, body = req
+        failed = first_request(host, port, path, body, self.key, timeout=FIRST_REQUEST_TIMEOUT)
+        if failed:
+            try:
+                self.server.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                pass
+        return failed
 
     def _register(self, host: str, port: int) -> None:
         from areal_cli import procs, settings

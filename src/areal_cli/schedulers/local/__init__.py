@@ -162,7 +162,7 @@ class LocalScheduler(Scheduler):
 
             with ThreadPoolExecutor(max_workers=1) as ex:
                 asked = ex.submit(_paused_servers, rows, here)
-                health = discovery.healthy(probes, timeout=1.0)
+                health = discovery.healthy(probes)
                 paused = asked.result()
         out = []
         ranks = _live_ranks([rec for rec, state in rows if state in records.LIVE])

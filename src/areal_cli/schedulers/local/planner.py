@@ -99,7 +99,7 @@ def _plan_servers(p, role: ServerRole, inventory, free, held, log_dir, check_pac
     backend.check_bind(role)
     on_gpu = bool(inventory.gpus)
     need = role.replicas * role.gpus_per_replica
-    if backend.needs_gpu and not on_gpu:
+    if not on_gpu and not backend.runs_on_cpu:
         raise UsageError(
             f"{role.backend} needs GPUs and this host has none ({_source(inventory)})",
             hint="the hf backend runs on CPU: --backend hf; or pass --gpus 0,1,...",
@@ -117,14 +117,17 @@ def _plan_servers(p, role: ServerRole, inventory, free, held, log_dir, check_pac
             hint="lower d/t, or pass --gpus with more devices",
         )
     if check_packages:
-        backends.check_installed(backend, role.python)
+        backends.check_installed(backend, role.python, on_gpu=on_gpu)
     ports = _ports(role, role.replicas, busy_ports)
+    # Without GPUs, an engine's CPU build runs: each replica on cores of its own.
+    cores = backends.cpu_slices(role.replicas) if not on_gpu and backend.needs_gpu else None
     for i in range(role.replicas):
         slice_ = free[i * role.gpus_per_replica : (i + 1) * role.gpus_per_replica] if on_gpu else []
+        cpus = cores[i] if cores else []
         env = {
             "CUDA_VISIBLE_DEVICES": inventory.visible(slice_) if on_gpu else "",
             "PYTHONUNBUFFERED": "1",
-            **backend.env(role, p.api_key),
+            **backend.env(role, p.api_key, on_gpu=on_gpu, cores=cpus),
         }
         p.processes.append(
             ProcessPlan(
@@ -138,6 +141,8 @@ def _plan_servers(p, role: ServerRole, inventory, free, held, log_dir, check_pac
                 port=ports[i],
                 backend=role.backend,
                 health_path=backend.health_path,
+                cpus=cpus,
+                first_request=backend.first_request(role),
             )
         )
     return free[need:] if on_gpu else free

@@ -156,7 +156,7 @@ class SlurmScheduler(Scheduler):
             if entries:
                 from areal_cli import apikeys, control, discovery
 
-                health = discovery.healthy([e.addr for e in entries], timeout=1.0)
+                health = discovery.healthy([e.addr for e in entries])
                 held = apikeys.load(rec.api_key_file) if rec.api_key_file else None
                 key = held[1] if held and held[0] == rec.marker else None
                 backend = entries[0].backend or "sglang"
