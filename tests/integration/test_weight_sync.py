@@ -320,3 +320,51 @@ def test_a_server_hung_mid_broadcast_costs_stall_plus_probe_and_the_sync_goes_on
         proc.wait()
         a.stop()
         b.stop()
+
+
+# Rank 0 opened as SGLang's helper opens it (what verl's and slime's trainers call): torch's
+# tcp:// rendezvous, whose master waits for every worker's store to check in.
+SGLANG_TRAINER = textwrap.dedent("""
+    import datetime, json, os, sys, threading, urllib.request, torch
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore,
+        _new_process_group_helper, _world, rendezvous)
+    url, port, name = sys.argv[1], int(sys.argv[2]), "sg"
+    timeout = datetime.timedelta(seconds=15)
+
+    def post(path, body):
+        req = urllib.request.Request(url + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    out = {}
+    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+            "world_size": 2, "group_name": name, "backend": "gloo"}
+    t = threading.Thread(target=lambda: out.update(init=post("/init_weights_update_group", init)))
+    t.start()
+    try:
+        store, _, _ = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, 2, timeout=timeout))
+        store = PrefixStore(name, store)
+        pg, _ = _new_process_group_helper(2, 0, [], Backend("gloo"), store, group_name=name,
+                                          backend_options=None, timeout=timeout)
+        out["joined"] = True
+    except Exception as e:
+        out["joined"] = str(e)
+    t.join()
+    out["destroy"] = post("/destroy_weights_update_group", {"group_name": name})
+    print(json.dumps(out), flush=True)
+    os._exit(0)
+""")
+
+
+def test_a_trainer_opening_the_group_as_sglangs_helper_does_meets_our_server(tiny_server):
+    res = subprocess.run([sys.executable, "-c", SGLANG_TRAINER, tiny_server.url, str(free_port())],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["joined"] is True, out
+    assert out["init"][0] == 200 and out["init"][1]["success"] is True, out
+    assert out["destroy"][0] == 200, out

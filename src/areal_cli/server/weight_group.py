@@ -182,7 +182,11 @@ def join(
             world_size,
             is_master=rank == 0,
             timeout=timeout,
-            wait_for_workers=False,
+            # A worker's store checks in with the master (it counts the clients that
+            # joined): torch's tcp:// rendezvous, which SGLang's helper and the trainers
+            # built on it use, waits for every worker. A master opened by `listen` does not
+            # wait, so checking in costs nothing there.
+            wait_for_workers=rank != 0,
             multi_tenant=True,
         )
     device = "cuda" if backend == "nccl" else "cpu"
