@@ -40,7 +40,8 @@ CONFIG_KEYS = {
     "min_servers": "posint", "wait_servers": "nonneg", "nnodes": "posint", "node_rank": "int",
     "master_addr": "str", "master_port": "port", "gpus": "str", "debug_preset": "str",
     "model": "str", "python": "str", "health_timeout": "posfloat", "api_key": "str",
-    "areal_overrides": "bool", "scheduler": "str",
+    "areal_overrides": "bool", "scheduler": "str", "watchdog": "nonneg",
+    "watchdog_action": "str",
 }  # fmt: skip
 CONFIG_KEYS.update(SLURM_KEYS)
 
@@ -126,8 +127,22 @@ def register(app: typer.Typer) -> None:
         api_key: str = typer.Option(
             None,
             "--api-key",
-            help="Co-launched servers: auto | none | KEY (default auto). With --servers: the "
-            "KEY they need (default env AREAL_API_KEY).",
+            help="Co-launched servers: auto | none | KEY (default auto). Servers found: the "
+            "KEY they need when it is not their job's (default env AREAL_API_KEY); checked "
+            "before any rank starts.",
+        ),
+        watchdog: float = typer.Option(
+            None,
+            "--watchdog",
+            min=0,
+            help="Seconds without progress of any rank before the hang doctor runs on the job "
+            "(default 300; 0 off).",
+        ),
+        watchdog_action: str = typer.Option(
+            None,
+            "--watchdog-action",
+            help="On a stall: observe (verdict and bundle in the logs) | fail (then stop, "
+            "exit 1) (default observe).",
         ),
         registry: str = RegistryOpt,
         home: Path = HomeOpt,
@@ -264,7 +279,28 @@ def register(app: typer.Typer) -> None:
                         f"[yellow]resumed[/] {addr}: it was paused with no trainer of "
                         f"{experiment}/{trial} alive (a weight sync that never finished)"
                     )
+        key_flag = pick(api_key, cfg, "api_key", None)
+        if server_role is not None and trainer.areal_overrides and key_flag != "none":
+            raise UsageError(
+                "--areal-overrides: AReaL's trainer sends no API key, and the servers this "
+                "job starts would want one (--api-key auto)",
+                hint="add --api-key none (any user of this host can then reach the servers), "
+                "or train with areal_cli.worker, which sends the key",
+            )
+        if found is not None and found.addrs and not dry_run:
+            found = _check_keys(found, experiment, trial, trainer.areal_overrides,
+                                _explicit_key(key_flag))  # fmt: skip
+        from areal_cli.diagnose.watchdog import ACTIONS, DEFAULT_SECONDS
+
+        action = str(pick(watchdog_action, cfg, "watchdog_action", "observe"))
+        if action not in ACTIONS:
+            raise UsageError(
+                f"--watchdog-action {action!r} is not one of {', '.join(ACTIONS)}",
+                hint="observe keeps the job running; fail stops it on a stall (exit 1)",
+            )
         spec = JobSpec(
+            watchdog=seconds("--watchdog", pick(watchdog, cfg, "watchdog", DEFAULT_SECONDS)),
+            watchdog_action=action,
             experiment=experiment,
             trial=trial,
             servers=server_role,
@@ -286,6 +322,49 @@ def register(app: typer.Typer) -> None:
             show_plan(request, json_out)
             return
         run_foreground(sched, request)
+
+
+def _check_keys(found, experiment: str, trial: str, areal: bool, given: str | None):
+    """Ask every server a question its API key guards, with the key the ranks will send, so
+    a missing or wrong key is one message here instead of an HTTP 401 in every rank (/health,
+    which discovery asks, is open on every engine). A key given with --api-key or
+    AREAL_API_KEY serves found servers that want one discovery did not hand out."""
+    from areal_cli import control
+
+    if areal:  # areal/infra/remote_inf_engine.py: no request carries an Authorization header
+        refused = control.keys_refused(found.addrs, found.backend, None)
+        if refused:
+            raise UsageError(
+                f"{', '.join(refused)}: want an API key, and AReaL's trainer sends none "
+                "(--areal-overrides)",
+                hint=f"serve them with --api-key none (any user of this host can then reach "
+                f"them), or train with areal_cli.worker, which sends the key "
+                f"(AREAL_API_KEY=$(areal key {experiment}/{trial}))",
+            )
+        return found
+    refused = control.keys_refused(found.addrs, found.backend, found.api_key)
+    if refused and found.api_key is None and given:
+        if not control.keys_refused(list(refused), found.backend, given):
+            return replace(found, api_key=given)
+        refused = control.keys_refused(list(refused), found.backend, given)
+        key_was = "the key given (--api-key / AREAL_API_KEY)"
+    elif found.api_key is not None:
+        key_was = f"the key of job {experiment}/{trial}"
+        if found.entries == [] and given:  # --servers: the key came from the flag or the env
+            key_was = "the key given (--api-key / AREAL_API_KEY)"
+    else:
+        key_was = None
+    if not refused:
+        return found
+    names = ", ".join(f"{a} (HTTP {s})" for a, s in refused.items())
+    what = f"refuse {key_was}" if key_was else "want an API key, and none was given"
+    raise UsageError(
+        f"{names}: {what}",
+        hint=f"give the servers' key in the environment, never on a command line: "
+        f"AREAL_API_KEY=$(areal key E/T) areal train ... for servers `areal serve` started "
+        f"as E/T ({experiment}/{trial} here), or export AREAL_API_KEY for servers started "
+        "elsewhere",
+    )
 
 
 def _explicit_key(flag: str | None) -> str | None:

@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ps": ("jobs", "List jobs: state, processes, servers and whether each answers /health."),
     "logs": ("jobs", "Show a job's logs, merged with a \\[server-N] / \\[rank-N] prefix."),
     "stop": ("jobs", "Stop a trial's jobs, every process they started and their registry entries."),
+    "key": ("key", "Print the API key of servers you started as E/T, for a client of your own."),
     "alloc": ("alloc", "Explain an allocation string: its components, parallel dims and GPU count."),
     "init-model": ("init_model", "Write a tiny Qwen2-style causal LM (random weights, byte-level tokenizer) to DIR."),
     "doctor": ("doctor", "Diagnose distributed training: hangs, debug env presets, all_reduce, host health, mesh."),

@@ -113,6 +113,36 @@ def resume_paused(
     return [a for a, ok in _each(one, list(dict.fromkeys(addrs))).items() if ok]
 
 
+# A route each engine guards with its API key, cheap to ask: /health is open on all of them
+# (SGLang srt/utils/auth.py:96-106 lets /health, /ready, /metrics through; vLLM guards only
+# /v1 and a few other prefixes, serve/middleware/authenticate.py:11).
+GUARDED_PATHS = {"vllm": ("/v1/models",)}  # else SGLang's and hf's /model_info
+_GUARDED_DEFAULT = ("/model_info", "/v1/models")
+
+
+def key_refused(addr: str, backend: str, key: str | None, timeout: float = 5.0) -> int | None:
+    """401 or 403 when the server refuses `key` (None: no key) on a route its key guards;
+    None when it takes it, or cannot tell (no answer in time, no such route)."""
+    for path in GUARDED_PATHS.get(backend, _GUARDED_DEFAULT):
+        got = _call(addr, "GET", path, key, timeout)
+        if got is None:
+            return None
+        if got[0] in (401, 403):
+            return got[0]
+        if got[0] != 404:
+            return None
+    return None
+
+
+def keys_refused(
+    addrs: Iterable[str], backend: str, key: str | None, timeout: float = 5.0
+) -> dict[str, int]:
+    """The servers among `addrs` that refuse `key`, with the status they answered; all asked
+    at once."""
+    got = _each(lambda a: key_refused(a, backend, key, timeout), list(dict.fromkeys(addrs)))
+    return {a: status for a, status in got.items() if status is not None}
+
+
 def backend_of(argv: list[str]) -> str | None:
     """Which backend a server's command line runs (a job record keeps only the argv)."""
     if "sglang.launch_server" in argv:

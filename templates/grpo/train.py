@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from areal_cli.worker import close, connect, shard_model, sync_weights
+from areal_cli.worker import align_servers, close, connect, shard_model, sync_weights
+from areal_cli.worker.agree import describe
 
 # --------------------------------------------------------------------------- config
 
@@ -387,8 +388,25 @@ def main(argv: list[str]) -> None:
         )
         (ctx.log_dir / "grpo_config.json").write_text(json.dumps(asdict(cfg), indent=2))
 
-    version: Any = None
-    sync_failed: list[str] = []
+    # Servers an earlier run updated hold other weights: the first rollout must not sample
+    # from them (off-policy from step 0).
+    aligned = align_servers(
+        model,
+        client,
+        str(model_path),
+        method=cfg.sync_method,
+        path=weights_dir if cfg.sync_method == "disk" else None,
+        version=0,
+        tokenizer_from=model_path,
+        dtype=sync_dtype,
+        timeout=cfg.sync_timeout,
+    )
+    if report is not None:
+        from rich.markup import escape
+
+        report.console.print(escape(describe(aligned)), soft_wrap=True)
+    version: Any = aligned["version"] if aligned["synced"] else None
+    sync_failed: list[str] = sorted(aligned["failed"])
     for step in range(cfg.steps):
         t_start = time.perf_counter()
 
@@ -456,6 +474,7 @@ def main(argv: list[str]) -> None:
             version = groups[0][0].weight_version if groups and groups[0] else version
         t_end = time.perf_counter()
 
+        ctx.progress(step)  # the watchdog (areal train --watchdog) hears of every step
         generated = sum(len(c.output_ids) for g in groups for c in g)
         reward_sum, count, tokens, gap, loss = all_ranks_sum(
             [rewards.sum().item(), rewards.numel(), generated, stats["logprob_gap"], stats["loss"]]

@@ -29,6 +29,7 @@ PAGES = [
     ["ps"],
     ["logs"],
     ["stop"],
+    ["key"],
     ["alloc"],
     ["init-model"],
     ["doctor"],

@@ -5,6 +5,7 @@
     ctx = connect()                       # rank, device, mesh, servers from `areal train`
     model = shard_model(model, ctx.mesh)  # FSDP2 over the dp dimension
     client = ctx.rollout_client()
+    align_servers(model, client, model_path)  # the servers start from these weights too
     groups = client.run(client.generate_batch(prompts, n=8, max_new_tokens=256))
     ...
     sync_weights(model, client, method="distributed", version=step)   # or method="disk" + a path
@@ -17,12 +18,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from areal_cli.worker.agree import align_servers
     from areal_cli.worker.fsdp import shard_model, transformer_blocks
     from areal_cli.worker.rollout import Completion, RolloutClient, RolloutError, SyncError
     from areal_cli.worker.runtime import WorkerContext, close, connect
     from areal_cli.worker.weights import full_state_dict, save_hf_checkpoint, sync_weights
 
 _EXPORTS = {
+    "align_servers": "agree",
     "connect": "runtime",
     "close": "runtime",
     "WorkerContext": "runtime",
@@ -38,6 +41,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "align_servers",
     "Completion",
     "RolloutClient",
     "RolloutError",

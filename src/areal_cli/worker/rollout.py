@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from areal_cli.errors import LaunchError, UsageError
+from areal_cli.worker.channel import report_progress
 
 BACKENDS = ("sglang", "hf", "vllm")
 # SGLang's pause modes (srt/managers/io_struct.py:1927-1946) and vLLM's
@@ -523,6 +524,7 @@ class RolloutClient:
         prompt = list(map(int, input_ids))
         last: _Retryable | None = None
         async with self._sem:
+            report_progress(source="rollout")  # a request began: the one before it ended
             tried: set[str] = set()
             for attempt in range(self.retries + 1):
                 server = self._pick(tried)
@@ -930,6 +932,33 @@ class RolloutClient:
                 self._mark_down(server, str(e))
                 last = e
         raise self._no_server_error("model_info") from last
+
+    async def server_states(self) -> dict[str, dict[str, Any]]:
+        """{addr: {"weight_version", "model_path"}} of every reachable server: what it holds
+        now (SGLang's /model_info moves model_path to the last checkpoint it loaded)."""
+
+        async def one(s: _Server) -> dict[str, Any]:
+            if self.backend == "vllm":
+                data = await self._request(s, "GET", "/v1/models", timeout=30)
+                first = (data.get("data") or [{}])[0]
+                path = first.get("root") or first.get("id")
+                version = await self._fetch_version(s)
+            else:
+                data = await self._get_first(s, ("/model_info", "/get_model_info"), 30)
+                path = data.get("model_path")
+                version = _version_str(data.get("weight_version"))
+            s.weight_version = version
+            return {"weight_version": version, "model_path": path}
+
+        results = await self._on_every_server("server_state", one)
+        errors = [r for r in results.values() if isinstance(r, BaseException)]
+        if len(errors) == len(results):
+            raise (
+                errors[0]
+                if isinstance(errors[0], RolloutError)
+                else self._no_server_error("server_state")
+            )
+        return {a: r for a, r in results.items() if not isinstance(r, BaseException)}
 
     async def server_info(self, addr: str) -> dict[str, Any]:
         """SGLang's /server_info of one server: its launch arguments (tp_size, pp_size, dtype,
