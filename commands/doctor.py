@@ -31,6 +31,7 @@ STATE_STYLE = {
     "idle": "blue",
     "missing": "red",
     "error": "red",
+    "stopped": "red",
 }
 
 

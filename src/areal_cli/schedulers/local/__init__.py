@@ -257,7 +257,11 @@ class LocalScheduler(Scheduler):
                 os.kill(rec.supervisor_pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-            procs.wait_until(lambda: not rec.alive(), timeout)
+            except PermissionError:
+                # Another user's process holds the pid now: ours, which ran as us, is gone.
+                was_running = False
+            if was_running:
+                procs.wait_until(lambda: not rec.alive(), timeout)
         # Only pids that are still the processes we started: an old record's pids may be reused.
         roots = [p.pid for p in rec.processes if procs.pid_alive(p.pid, p.create_time)]
         killed = procs.kill_job(rec.marker, roots, grace=3.0)
