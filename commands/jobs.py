@@ -83,6 +83,10 @@ def _ps_table(jobs_: list[dict]) -> None:
             state += f"\nranks {j.get('ranks_alive') or 0}/{j['world_size']}"
         if j.get("reason"):
             state += f"\n[dim]{escape(j['reason'])}[/]"
+        if j.get("watchdog"):  # the last stall: its verdict (the bundle is in `areal logs`)
+            w = j["watchdog"]
+            odd = f" ranks {','.join(map(str, w['odd_ranks']))}" if w.get("odd_ranks") else ""
+            state += f"\n[red]stalled: {escape(str(w.get('kind')))}{odd}[/]"
         if j["scheduler"] == "local":
             where = "pids " + " ".join(map(str, j["pids"]))
         else:

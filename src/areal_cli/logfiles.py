@@ -15,7 +15,7 @@ from pathlib import Path
 
 from areal_cli.errors import UsageError
 
-ROLES = ("server", "rank", "torchrun", "supervisor")
+ROLES = ("server", "rank", "torchrun", "supervisor", "watchdog")
 _NAME = re.compile(r"^(server|rank)-(\d+)\.log$")
 
 
@@ -37,6 +37,8 @@ def select_logs(
                 found.append((ROLES.index("torchrun"), 0, p.stem, p))
             elif p.name.startswith("supervisor") and p.suffix == ".log":
                 found.append((ROLES.index("supervisor"), 0, p.stem, p))
+            elif p.name == "watchdog.log":  # the watchdog's verdicts (diagnose.watchdog)
+                found.append((ROLES.index("watchdog"), 0, p.stem, p))
     out = {}
     for r, i, label, path in sorted(found):
         if role is not None and ROLES[r] != role:

@@ -85,6 +85,10 @@ class JobSpec:
     external_backend: str | None = None
     external_api_key: str | None = None
     scheduler_opts: SchedulerOpts = SchedulerOpts()
+    # The watchdog on training: seconds without progress that make a stall (0: off), and
+    # what a stall does (observe: a verdict and a bundle; fail: that, then the job ends, exit 1).
+    watchdog: float = 300.0
+    watchdog_action: str = "observe"
 
     @property
     def kind(self) -> str:
@@ -138,6 +142,8 @@ class Plan:
     tp: int = 1
     scheduler: str = "local"
     registry_ttl: float = 30.0  # seconds a registered server outlives its last renewal
+    watchdog: float = 0.0  # seconds without progress of any rank that make a stall (0: off)
+    watchdog_action: str = "observe"  # observe | fail
 
     @property
     def servers(self) -> list[ProcessPlan]:

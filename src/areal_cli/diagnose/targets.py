@@ -174,6 +174,17 @@ def _from_pids(pids: list[int]) -> list[Job]:
     return out
 
 
+def under(roots: list[int], label: str, name: str | None = None) -> Job | None:
+    """The ranks below these processes (a launcher's torchrun), as one job; None when none
+    runs (yet, or any more)."""
+    tree = _Tree()
+    ranks = tree.topmost_ranks({pid for root in roots for pid in tree.descendants(root)})
+    if not ranks:
+        return None
+    return Job(label=label, ranks=_number(ranks), launcher_pid=roots[0] if roots else None,
+               name=name)  # fmt: skip
+
+
 def _from_job(name: str, home: str | Path | None) -> Job:
     from areal_cli import schedulers
 

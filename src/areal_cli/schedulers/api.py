@@ -93,6 +93,7 @@ class JobStatus:
     reason: str | None = None  # why a queued job waits (Slurm's reason)
     marker: str | None = None  # what every process of the job carries in AREAL_JOB_MARKER
     registry: str | None = None  # where its servers and ranks are registered
+    watchdog: dict | None = None  # the last stall the watchdog diagnosed (its verdict, bundle)
 
     def to_json(self) -> dict:
         d = asdict(self)

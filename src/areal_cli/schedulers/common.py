@@ -49,6 +49,12 @@ def resolve_api_key(flag: str) -> str | None:
     return flag
 
 
+# Collectives torch's flight recorder keeps per rank: a 2-rank gloo all_reduce loop costs no
+# measurable time with it (README, "The flight recorder"); a few MB of host memory.
+FR_BUFFER_SIZE = 2000
+FR_BUFFER_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+
+
 def worker_env(
     spec: JobSpec, t: TrainerRole, p: Plan, addrs, backend, key, visible: str | None
 ) -> dict[str, str]:
@@ -82,6 +88,10 @@ def worker_env(
         env["NCCL_NVLS_ENABLE"] = "0"
     if key:
         env["AREAL_API_KEY"] = key
+    # torch's flight recorder on (the doctor joins it with the stacks), under both names torch
+    # 2.13 reads; the user's own setting, 0 included, wins, and a --debug-preset after it.
+    for name in FR_BUFFER_VARS:
+        env[name] = os.environ.get(name) or os.environ.get(FR_BUFFER_VARS[0]) or str(FR_BUFFER_SIZE)
     env.update(dict(t.env))
     return env
 

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from areal_cli.errors import UsageError
+from areal_cli.worker.channel import report_progress
 
 if TYPE_CHECKING:
     import torch
@@ -299,6 +300,7 @@ def sync_weights(
     }
     if method == "disk":
         out["load_s"] = t2 - t1
+    report_progress(source="sync")  # the watchdog counts a finished sync as progress
     return out
 
 

@@ -191,6 +191,7 @@ class LocalScheduler(Scheduler):
                     message=rec.message,
                     exit_code=rec.exit_code,
                     marker=rec.marker,
+                    watchdog=rec.watchdog,
                     ranks_alive=ranks.get(rec.marker, (None, None))[0],
                     world_size=ranks.get(rec.marker, (None, None))[1],
                 )

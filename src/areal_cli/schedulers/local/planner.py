@@ -74,6 +74,8 @@ def plan(spec: JobSpec, home: Path, registry_url: str, check_packages: bool = Tr
         alloc=spec.alloc,
         health_timeout=spec.health_timeout,
         registry_ttl=settings.registry_ttl(),
+        watchdog=spec.watchdog if spec.trainer else 0.0,
+        watchdog_action=spec.watchdog_action,
     )
     inventory = gpus.detect(spec.gpus_flag)
     held, busy_ports = held_by_others(registry, home, inventory)

@@ -59,6 +59,7 @@ class JobRecord:
     detail: str | None = None  # the failing process's log tail
     exit_code: int | None = None
     updated: float = 0.0
+    watchdog: dict | None = None  # the last stall's verdict (diagnose.watchdog.Stall)
 
     @property
     def name(self) -> str:

@@ -106,6 +106,8 @@ class Supervisor:
         self._follow_stop = threading.Event()
         self._follower: threading.Thread | None = None
         self.record: records.JobRecord | None = None
+        self._watchdog = None  # diagnose.watchdog.Watchdog while trainers run
+        self._stalled = None  # the stall that ends the job (--watchdog-action fail)
 
     # -- public ---------------------------------------------------------------------------
 
@@ -130,7 +132,7 @@ class Supervisor:
         if self.on_line is not None:
             # Only this job's own logs: a training job shares its folder with the servers.
             roles = (("server",) if self.plan.servers else ()) + (
-                ("rank", "torchrun") if self.plan.trainers else ()
+                ("rank", "torchrun", "watchdog") if self.plan.trainers else ()
             )
             self._follower = logfiles.follow_in_background(
                 Path(self.plan.log_dir), self._line, self._follow_stop, roles
@@ -274,6 +276,8 @@ class Supervisor:
 
     def _watch(self) -> int:
         trainers = [p for p in self.procs if p.plan.role == "trainer"]
+        if trainers and self.plan.watchdog > 0:
+            self._start_watchdog(trainers)
         while not self.stop_requested.is_set():
             for proc in trainers:
                 code = proc.exit_code()
@@ -304,7 +308,53 @@ class Supervisor:
             # SIGCONT) runs its Python handler only when this thread next wakes.
             self.changed.wait(0.5)
             self.changed.clear()
+        if self._stalled is not None:
+            s = self._stalled
+            raise LaunchError(
+                f"watchdog: {s.headline()}",
+                detail=f"no rank progressed for {self.plan.watchdog:g}s",
+                hint=f"the stacks, flight recorder dumps and last log lines: {s.bundle}",
+            )
         return self.stop_code
+
+    def _start_watchdog(self, trainers: list[_Proc]) -> None:
+        from areal_cli.diagnose import targets, watchdog
+
+        roots = [p.popen.pid for p in trainers]
+        name = f"{self.plan.experiment}/{self.plan.trial}"
+        self._watchdog = watchdog.Watchdog(
+            self.plan.watchdog,
+            self.plan.log_dir,
+            ranks=lambda: targets.under(roots, f"job {name}", name),
+            on_stall=self._on_stall,
+            server_pids=self._server_pids,
+        )
+        self._watchdog.start()
+
+    def _server_pids(self) -> list[int]:
+        """The servers the job uses: its own, and those of this host's serving jobs at the
+        addresses its trainers were given."""
+        pids = [r.server_pid for r in self.record.processes if r.role == "server" and r.server_pid]
+        addrs = {a for p in self.plan.trainers for a in
+                 p.env.get("AREAL_LLM_SERVER_ADDRS", "").split(",") if a}  # fmt: skip
+        if addrs:
+            recs, _bad = records.list_all(self.home)
+            for rec in recs:
+                if rec.marker != self.plan.marker and rec.state == "running":
+                    pids += [p.server_pid for p in rec.processes
+                             if p.role == "server" and p.addr in addrs and p.server_pid]  # fmt: skip
+        return pids
+
+    def _on_stall(self, stall) -> None:
+        from areal_cli.diagnose import watchdog
+
+        line = watchdog.log_line(self.plan.log_dir, stall, self.plan.watchdog)
+        self.record.watchdog = stall.to_json()
+        records.write(self.home, self.record)
+        self.on_event("stall", {**stall.to_json(), "line": line})
+        if self.plan.watchdog_action == "fail":
+            self._stalled = stall
+            self.request_stop(f"watchdog: {stall.headline()}", 1)
 
     # -- records, teardown ----------------------------------------------------------------
 
@@ -336,6 +386,8 @@ class Supervisor:
         self, state: str, message: str | None, code: int, detail: str | None = None
     ) -> None:
         self.on_event("stopping", {"state": state})
+        if self._watchdog is not None:
+            self._watchdog.close()
         # Reaped processes' pids may already belong to someone else: only live ones are roots.
         live = [p.popen.pid for p in self.procs if p.popen.poll() is None]
         procs.kill_job(self.plan.marker, live, grace=5.0)

@@ -1,0 +1,277 @@
+"""The watchdog on a training job: when no rank progressed for SECONDS, run the hang doctor on
+every rank (and dump the servers the job uses), keep a bundle in the job's log folder and say
+the verdict; once per stall.
+
+Progress, per rank, best evidence first:
+
+    reports    a rank on areal's worker runtime that called ctx.progress() (sync_weights and
+               rollouts report too) answers `progress` over its doctor channel: its count moved
+    movement   any other rank (a plain torchrun script, or one that never reported): its main
+               thread ran (CPU time) or was woken at least WOKEN times since the last look, from
+               /proc, as the hang doctor's own wake-up evidence; a thread blocked in a
+               collective or a lock does neither
+
+The job is stalled when no rank moved for SECONDS. A rank that spins in one loop looks alive by
+movement; a reporting job catches it (its reports stop).
+
+Scheduler-independent: the local supervisor runs `Watchdog` in a thread of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from areal_cli import logfiles
+
+ACTIONS = ("observe", "fail")
+# On unless turned off: half the worker runtime's collective timeout (600 s), so the verdict is
+# in the log before a timeout ends the job and takes the evidence with it; a healthy step (a
+# long generation, a long weight sync) may take up to 0.8 x that, 240 s, without a verdict.
+DEFAULT_SECONDS = 300.0
+WOKEN = 2  # wake-ups of a main thread between two looks that count as movement
+LOG_NAME = "watchdog.log"
+TAIL = 50  # lines of each rank's log kept in the bundle
+
+
+@dataclass
+class Stall:
+    """What one stall produced."""
+
+    at: float  # time.time() when the verdict was reached
+    idle_s: float  # seconds since the last progress
+    kind: str | None  # the verdict, None when the doctor could not read the ranks
+    odd_ranks: list[int]
+    summary: str
+    bundle: str | None
+    reached: dict[str, dict] = field(default_factory=dict)
+    latency_s: float = 0.0  # from the last progress to the verdict
+
+    def headline(self) -> str:
+        odd = f" (odd ranks {','.join(map(str, self.odd_ranks))})" if self.odd_ranks else ""
+        return f"{self.kind or 'no verdict'}{odd}: {self.summary}"
+
+    def to_json(self) -> dict:
+        return {
+            "at": self.at,
+            "idle_s": round(self.idle_s, 1),
+            "latency_s": round(self.latency_s, 2),
+            "kind": self.kind,
+            "odd_ranks": self.odd_ranks,
+            "summary": self.summary,
+            "bundle": self.bundle,
+            "reached": self.reached,
+        }
+
+
+# --------------------------------------------------------------------------- evidence
+
+
+def _main_thread(pid: int) -> tuple[int, int] | None:
+    """(CPU ticks, context switches) of a process's main thread, or None when it is gone."""
+    base = f"/proc/{pid}/task/{pid}"
+    try:
+        with open(f"{base}/stat", "rb") as f:
+            stat = f.read()
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        ticks = int(fields[11]) + int(fields[12])  # utime, stime
+        switches = 0
+        with open(f"{base}/status", "rb") as f:
+            for line in f:
+                if line.startswith((b"voluntary_ctxt_switches", b"nonvoluntary_ctxt_switches")):
+                    switches += int(line.split()[1])
+        return ticks, switches
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def look(pid: int) -> tuple:
+    """This rank's evidence now: ("reports", count) or ("movement", ticks, switches), or
+    ("gone",)."""
+    from areal_cli.worker import channel
+
+    path = channel.find(pid)
+    if path is not None:
+        try:
+            count = int(channel.ask_path(path, "progress", timeout=2.0).get("count") or 0)
+            if count > 0:
+                return ("reports", count)
+        except (channel.ChannelError, ValueError, TypeError, AttributeError):
+            pass
+    got = _main_thread(pid)
+    return ("gone",) if got is None else ("movement", *got)
+
+
+def moved(before: tuple | None, now: tuple) -> bool:
+    """Whether a rank made progress between two looks."""
+    if before is None or now[0] != before[0]:
+        return now[0] != "gone"  # first look, or it began to report: it runs
+    if now[0] == "reports":
+        return now[1] > before[1]
+    if now[0] == "movement":
+        return now[1] > before[1] or now[2] - before[2] >= WOKEN
+    return False
+
+
+class StallClock:
+    """No rank moved for `seconds`: fire once, then again only after progress resumed."""
+
+    def __init__(self, seconds: float, now: float):
+        self.seconds = seconds
+        self.last_progress = now
+        self.fired = False
+
+    def update(self, any_moved: bool, now: float) -> bool:
+        if any_moved:
+            self.last_progress = now
+            self.fired = False
+            return False
+        if not self.fired and now - self.last_progress >= self.seconds:
+            self.fired = True
+            return True
+        return False
+
+
+# --------------------------------------------------------------------------- the watchdog
+
+
+RanksFn = Callable[[], "object | None"]  # -> a diagnose.targets.Job (ranks with pids), or None
+
+
+class Watchdog:
+    """Watch a job's ranks from a thread; on a stall, diagnose and call on_stall(Stall)."""
+
+    def __init__(
+        self,
+        seconds: float,
+        log_dir: str | Path,
+        ranks: RanksFn,
+        on_stall: Callable[[Stall], None],
+        server_pids: Callable[[], list[int]] = list,
+        tick: float | None = None,
+    ):
+        self.seconds = float(seconds)
+        self.log_dir = Path(log_dir)
+        self.ranks = ranks
+        self.server_pids = server_pids
+        self.on_stall = on_stall
+        self.tick = tick or min(1.0, max(0.2, self.seconds / 10))
+        self.stop = threading.Event()
+        self.stalls: list[Stall] = []
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="areal-watchdog", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        clock = StallClock(self.seconds, time.monotonic())
+        seen: dict[int, tuple] = {}
+        job = None
+        while not self.stop.wait(self.tick):
+            if job is None or any(_gone(r.pid) for r in job.ranks):
+                job = self.ranks()  # ranks start late and restart: find them again
+                if job is None or not job.ranks:
+                    clock.update(True, time.monotonic())  # nothing to watch is no stall
+                    continue
+            looks = {r.pid: look(r.pid) for r in job.ranks}
+            any_moved = any(moved(seen.get(pid), now) for pid, now in looks.items())
+            seen = looks
+            now = time.monotonic()
+            if clock.update(any_moved, now) and not self.stop.is_set():
+                stall = self._diagnose(job, now - clock.last_progress, clock.last_progress)
+                self.stalls.append(stall)
+                try:
+                    self.on_stall(stall)
+                except Exception:
+                    pass
+                # The doctor's py-spy attach woke the ranks: what they do from here on is
+                # measured from now, so a job still hung is not called moving, nor stalled again.
+                seen = {r.pid: look(r.pid) for r in job.ranks}
+
+    def _diagnose(self, job, idle_s: float, last_progress: float) -> Stall:
+        from areal_cli.diagnose import hang
+
+        bundle = self.log_dir / f"watchdog-{time.strftime('%Y%m%d-%H%M%S')}"
+        kind, odd, summary, reached = None, [], "", {}
+        try:
+            reports = hang.diagnose([job])
+            hang.write_bundle(reports, bundle)
+            v = reports[0].analysis.verdict
+            if v is not None:
+                kind, odd, summary = v.kind, list(v.odd_ranks), v.summary
+                reached = {str(r): e.to_json() for r, e in v.reached.items()}
+        except Exception as e:  # an unreadable job still gets its logs kept and a line
+            bundle.mkdir(parents=True, exist_ok=True)
+            summary = f"the hang doctor could not read the ranks: {getattr(e, 'message', e)}"
+            (bundle / "error.txt").write_text(summary + "\n")
+        self._keep_servers(bundle)
+        self._keep_logs(job, bundle)
+        return Stall(
+            at=time.time(),
+            idle_s=idle_s,
+            kind=kind,
+            odd_ranks=odd,
+            summary=summary,
+            bundle=str(bundle),
+            reached=reached,
+            latency_s=time.monotonic() - last_progress,
+        )
+
+    def _keep_servers(self, bundle: Path) -> None:
+        from areal_cli.diagnose import stacks
+
+        pids = [p for p in self.server_pids() if not _gone(p)]
+        if not pids:
+            return
+        out = bundle / "servers"
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            dumps = stacks.dump_many(pids, pyspy=stacks.require_pyspy())
+        except Exception as e:
+            (out / "error.txt").write_text(f"{getattr(e, 'message', e)}\n")
+            return
+        for pid, d in dumps.items():
+            if d.ok:
+                (out / f"server-pid{pid}.json").write_text(d.raw)
+            else:
+                (out / f"server-pid{pid}.error.txt").write_text(f"{d.error_kind}: {d.error}\n")
+
+    def _keep_logs(self, job, bundle: Path) -> None:
+        out = bundle / "logs"
+        out.mkdir(parents=True, exist_ok=True)
+        for label, path in logfiles.select_logs(self.log_dir).items():
+            if label.startswith(("rank", "server", "torchrun")):
+                lines = logfiles.tail(path, TAIL)
+                (out / f"{label}.tail.log").write_text("\n".join(lines) + "\n")
+
+
+def _gone(pid: int) -> bool:
+    return not os.path.exists(f"/proc/{pid}")
+
+
+def log_line(log_dir: str | Path, stall: Stall, seconds: float) -> str:
+    """Append the verdict to the job's watchdog log (what `areal logs` shows); the line."""
+    line = (
+        f"{time.strftime('%H:%M:%S', time.localtime(stall.at))} stall: no rank progressed for "
+        f"{seconds:g}s; verdict {stall.headline()}; bundle {stall.bundle}"
+    )
+    for rank, e in sorted(stall.reached.items(), key=lambda kv: int(kv[0])):
+        line += f"\n  rank {rank}: collective #{e['seq']} of group {e['desc'] or e['pg']} " \
+                f"({e['op']}, {e['state']})"  # fmt: skip
+    path = Path(log_dir) / LOG_NAME
+    with open(path, "a") as f:
+        f.write(line + "\n")
+    if stall.bundle:
+        Path(stall.bundle, "verdict.json").write_text(json.dumps(stall.to_json(), indent=2) + "\n")
+    return line

@@ -1,0 +1,127 @@
+"""The watchdog on `areal train`, with real torchrun gloo jobs: a stalled job gets one verdict
+and a bundle (log, ps, logs); --watchdog-action fail ends it with exit 1; a healthy job whose
+steps take 0.8 x the watchdog's seconds gets none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from helpers import AREAL, areal
+
+from areal_cli import procs
+
+SCRIPT = str(Path(__file__).resolve().parents[1] / "fixtures" / "scripts" / "watchdog_job.py")
+
+
+def _train(trial: str, *flags: str, env: dict) -> subprocess.Popen:
+    argv = [AREAL, "train", "--alloc", "fsdp:d2", "--servers", "none", "--trial", trial,
+            *flags, SCRIPT]  # fmt: skip
+    return subprocess.Popen(
+        argv,
+        env={**os.environ, "COLUMNS": "200", **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _log_dir(home: Path, trial: str) -> Path:
+    found = list((home / "logs").glob(f"*/default/{trial}"))
+    assert found, list((home / "logs").rglob("*"))
+    return found[0]
+
+
+def test_a_stalled_job_gets_one_verdict_and_a_bundle(areal_env):
+    home = areal_env[0]
+    p = _train("stall", "--watchdog", "3", env={"STALL_RANK": "1", "STEPS": "3"})
+    try:
+
+        def verdict() -> bool:
+            assert p.poll() is None, p.communicate()
+            try:
+                return "verdict" in (_log_dir(home, "stall") / "watchdog.log").read_text()
+            except (OSError, AssertionError):
+                return False
+
+        assert procs.wait_until(verdict, 90, cap=0.2), "no verdict"
+        logs = _log_dir(home, "stall")
+        text = (logs / "watchdog.log").read_text()
+        assert (
+            "stall: no rank progressed for 3s; verdict mismatched_collective (odd ranks 1)" in text
+        )
+        assert "rank 0: collective #3 of group default_pg (all_reduce, scheduled)" in text
+        bundle = Path(text.split("bundle ", 1)[1].split()[0])
+        assert bundle.parent == logs
+        stall = json.loads((bundle / "verdict.json").read_text())
+        assert stall["kind"] == "mismatched_collective" and stall["odd_ranks"] == [1]
+        assert stall["latency_s"] <= 3 + 10, stall
+        summary = json.loads((bundle / "summary.json").read_text())
+        assert {r["rank"] for r in summary["ranks"]} == {0, 1}
+        assert sorted(x.name for x in (bundle / "flight-recorder").iterdir()) == [
+            "rank0.json", "rank1.json", "torch",
+        ]  # fmt: skip
+        assert len(list(bundle.glob("rank*-pid*.json"))) >= 2  # every rank's stack
+        tail = (bundle / "logs" / "rank-1.tail.log").read_text()
+        assert "rank 1 skips the all_reduce of step 2" in tail
+
+        ps = json.loads(areal("ps", "--json", check=0).stdout)
+        job = next(j for j in ps if j["trial"] == "stall")
+        assert job["state"] == "running" and job["watchdog"]["kind"] == "mismatched_collective"
+        assert "stalled: mismatched_collective ranks 1" in areal("ps", check=0).stdout
+        shown = areal("logs", "default/stall", check=0).stdout
+        assert "[watchdog]" in shown and "verdict mismatched_collective" in shown
+
+        time.sleep(7)  # two more periods of the watchdog: still one verdict (once per stall)
+        assert (logs / "watchdog.log").read_text().count("stall:") == 1
+        assert len(list(logs.glob("watchdog-*"))) == 1
+    finally:
+        os.killpg(p.pid, signal.SIGINT)
+        p.communicate(timeout=60)
+
+
+def test_fail_action_ends_a_plain_script_with_exit_1_naming_the_verdict(areal_env):
+    """No rank reports (plain torch.distributed): the watchdog goes by their movement."""
+    p = _train("fail", "--watchdog", "3", "--watchdog-action", "fail",
+               env={"STALL_RANK": "1", "STEPS": "3", "PLAIN": "1"})  # fmt: skip
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 1, (out, err)
+    first = next(line for line in err.splitlines() if "error" in line.lower())
+    assert "watchdog: mismatched_collective (odd ranks 1)" in first, err
+    rec = json.loads(areal("ps", "--all", "--json", check=0).stdout)
+    job = next(j for j in rec if j["trial"] == "fail")
+    assert job["state"] == "failed" and job["watchdog"]["odd_ranks"] == [1]
+
+
+def test_a_healthy_job_with_slow_steps_gets_no_verdict(areal_env):
+    home = areal_env[0]
+    # Steps of 0.8 x the watchdog's seconds, reported with ctx.progress.
+    p = _train("slow", "--watchdog", "5", env={"STEPS": "3", "STEP_S": "4"})
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, (out, err)
+    logs = _log_dir(home, "slow")
+    assert not (logs / "watchdog.log").exists()
+    assert not list(logs.glob("watchdog-*"))
+
+
+def test_dry_run_shows_the_recorder_and_the_watchdog(areal_env):
+    plan = json.loads(areal("train", "--alloc", "fsdp:d2", "--servers", "none", "--dry-run",
+                            "--json", SCRIPT, check=0).stdout)  # fmt: skip
+    env = plan["processes"][0]["env"]
+    assert env["TORCH_FR_BUFFER_SIZE"] == env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    assert plan["watchdog"] == 300 and plan["watchdog_action"] == "observe"
+    off = json.loads(areal("train", "--alloc", "fsdp:d2", "--servers", "none", "--dry-run",
+                           "--json", "--watchdog", "0", SCRIPT, check=0,
+                           env={"TORCH_FR_BUFFER_SIZE": "0"}).stdout)  # fmt: skip
+    assert off["watchdog"] == 0
+    assert off["processes"][0]["env"]["TORCH_FR_BUFFER_SIZE"] == "0"  # the user's own wins
+    res = areal("train", "--alloc", "fsdp:d2", "--servers", "none", "--dry-run",
+                "--watchdog-action", "page", SCRIPT, check=2)  # fmt: skip
+    assert "--watchdog-action 'page' is not one of observe, fail" in res.stderr
+    assert "Traceback" not in res.stderr
