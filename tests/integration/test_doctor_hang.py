@@ -96,6 +96,7 @@ def launch(
     nice: bool = False,
     env: dict | None = None,
     label: str | None = None,
+    wrap: list[str] | None = None,
 ) -> Scenario:
     label = label or name
     marker = f"{MARK_PREFIX}{label}-{uuid.uuid4().hex[:8]}"
@@ -127,6 +128,8 @@ def launch(
     ]
     if nice:  # busy-looping ranks must not starve the rest of the suite
         argv = ["nice", "-n", "15", *argv]
+    if wrap:  # e.g. unshare --pid --fork: the job in a PID namespace of its own
+        argv = [*wrap, *argv]
     log = open(workdir / "torchrun.log", "wb")
     proc = procs.spawn(argv, env=env, cwd=workdir, stdout=log)
     log.close()

@@ -183,6 +183,8 @@ def explain_failure(kind: str, tracer: TracerInfo) -> str:
         return "raise --timeout; a process stopped in the kernel (D state) cannot be read at all"
     if kind == "not_python":
         return "the process has not started Python yet, or is not a Python program"
+    if kind == "namespace":
+        return "install util-linux (nsenter, unshare), or leave out --native"
     return "run py-spy dump --pid PID by hand to see its full message"
 
 

@@ -10,6 +10,14 @@ Beside each dump the kernel's scheduler counters of every Python thread are kept
 samples they say, without attaching, whether a thread ran at all: a thread that did not run
 cannot have moved, so its last dump still holds and is not taken again; a thread blocked in a
 collective that was woken again and again has been finishing collectives.
+
+A process in another PID namespace (a container, `unshare --pid`) knows its threads by the
+namespace's ids, and py-spy reports those; /proc here knows them by this namespace's ids.
+Every thread id of a dump is turned into ours (NSpid in /proc/PID/task/*/status) before
+anything looks it up, and py-spy's on-CPU flag, which it could not match either, is taken
+from the kernel's thread states. Native unwinding needs py-spy to ptrace each thread by the id
+it knows, so `--native` runs py-spy inside the target's PID namespace (nsenter, with a /proc
+of that namespace).
 """
 
 from __future__ import annotations
@@ -98,6 +106,8 @@ class Dump:
     pending: frozenset[int] = frozenset()
     # No Python thread ran since the previous sample, so that sample's stacks were kept.
     reused: bool = False
+    # The process is stopped (state T: SIGSTOP, Ctrl-Z): it cannot take part in anything.
+    stopped: bool = False
 
     @property
     def ok(self) -> bool:
@@ -170,7 +180,23 @@ def dump(
     show_locals: bool = False,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> Dump:
+    ns = pid_namespace(pid)
     argv = [pyspy, "dump", "--json", "--pid", str(pid)]
+    before: dict[int, str] = {}
+    # A stopped process cannot be paused by ptrace (py-spy fails "Failed to get stack traces"),
+    # and needs no pausing: it does not run, so reading it as it runs is exact.
+    stopped = is_stopped(pid)
+    if stopped:
+        argv.append("--nonblocking")
+        native = False
+    if ns is not None:
+        if native:
+            argv = _in_namespace(pid, ns, argv)
+            if isinstance(argv, str):
+                return Dump(pid, error=argv, error_kind="namespace", taken_at=time.time())
+        else:
+            # Read before py-spy stops the threads: what py-spy would have read itself.
+            before = thread_states(pid, ns.values())
     if native:
         argv.append("--native")
     if show_locals:
@@ -178,9 +204,7 @@ def dump(
     start = time.monotonic()
     taken_at = time.time()
     try:
-        res = subprocess.run(
-            argv, capture_output=True, text=True, timeout=timeout, env=_pyspy_env(), check=False
-        )
+        res = _run(argv, timeout)
     except subprocess.TimeoutExpired:
         return Dump(
             pid,
@@ -203,6 +227,7 @@ def dump(
             error_kind=kind,
             taken_at=taken_at,
             elapsed_s=elapsed,
+            stopped=stopped,
         )
     try:
         threads = parse_pyspy_json(res.stdout)
@@ -215,7 +240,111 @@ def dump(
             taken_at=taken_at,
             elapsed_s=elapsed,
         )
-    return Dump(pid, threads=threads, raw=res.stdout, taken_at=taken_at, elapsed_s=elapsed)
+    if ns is not None:
+        threads = _to_our_ids(threads, {**ns, **(pid_namespace(pid) or {})}, before)
+    return Dump(
+        pid,
+        threads=threads,
+        raw=res.stdout,
+        taken_at=taken_at,
+        elapsed_s=elapsed,
+        stopped=stopped,
+    )
+
+
+def is_stopped(pid: int) -> bool:
+    """Stopped by a signal (SIGSTOP, SIGTSTP: state T), not merely traced for a moment."""
+    return _thread_state(pid, pid) == "T"
+
+
+def _run(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run py-spy (or nsenter holding it) in its own process group: a timeout kills the
+    whole group, so no py-spy outlives the nsenter that forked it."""
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_pyspy_env(),
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, 9)
+        except OSError:
+            pass
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+# --------------------------------------------------------------------------- PID namespaces
+
+
+def pid_namespace(pid: int) -> dict[int, int] | None:
+    """None when `pid` runs in this /proc's PID namespace; else each of its threads' id in its
+    own (innermost) namespace -> the id here. A thread that exits meanwhile is left out."""
+    ids = _nspid(f"/proc/{pid}/status")
+    if len(ids) < 2:
+        return None
+    out: dict[int, int] = {}
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return {ids[-1]: ids[0]}
+    for tid in tasks:
+        t = _nspid(f"/proc/{pid}/task/{tid}/status")
+        if t:
+            out[t[-1]] = t[0]
+    return out
+
+
+def _nspid(path: str) -> list[int]:
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                if line.startswith(b"NSpid:"):
+                    return [int(x) for x in line.split()[1:]]
+    except (OSError, ValueError):
+        pass
+    return []
+
+
+def thread_states(pid: int, tids: Iterable[int]) -> dict[int, str]:
+    return {tid: _thread_state(pid, tid) for tid in tids}
+
+
+def _in_namespace(pid: int, ns: dict[int, int], argv: list[str]) -> list[str] | str:
+    """`argv` run inside the PID namespace of `pid`, with a /proc of that namespace in a mount
+    namespace of its own (the rest of this host's files stay visible: py-spy itself), and
+    naming the target by its id there; or why that cannot be done."""
+    inner = next((n for n, ours in ns.items() if ours == pid), None)
+    nsenter, unshare = shutil.which("nsenter"), shutil.which("unshare")
+    if inner is None or not nsenter or not unshare:
+        return (
+            f"pid {pid} runs in another PID namespace (a container): --native needs nsenter "
+            "and unshare (util-linux) to unwind it from inside"
+        )
+    argv = [*argv[:-1], str(inner)]
+    return [nsenter, "--target", str(pid), "--pid", "--", unshare, "--mount",
+            "--propagation", "private", "--mount-proc", *argv]  # fmt: skip
+
+
+def _to_our_ids(
+    threads: list[ThreadStack], ns: dict[int, int], before: dict[int, str]
+) -> list[ThreadStack]:
+    """Thread ids of the target's namespace -> ours (None where the thread is gone); with
+    `before` (the host-side dump), on-CPU from the kernel's state of each thread."""
+    out = []
+    for t in threads:
+        tid = ns.get(t.os_thread_id) if t.os_thread_id is not None else None
+        active = t.active
+        if before and tid in before:
+            active = before[tid] == "R"
+        out.append(replace(t, os_thread_id=tid, active=active))
+    return out
 
 
 def dump_many(
@@ -300,6 +429,7 @@ def _sample(
                 pending=frozenset(),
                 ran=ran,
                 reused=True,
+                stopped=is_stopped(pid),
                 taken_at=time.time(),
                 elapsed_s=0.0,
             )

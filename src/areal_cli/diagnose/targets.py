@@ -148,7 +148,18 @@ def _from_pids(pids: list[int]) -> list[Job]:
             continue
         ranks = tree.ranks_under(pid)
         if ranks and ranks[0].pid != pid:
-            # A parent of ranks that is not a known launcher (a custom spawner): take its ranks.
+            if not _is_spawner(proc, ranks, tree):
+                # init, a shell, a container runtime: every job below it is not one job.
+                jobs = {r.job_key() for r in ranks}
+                raise UsageError(
+                    f"pid {pid} ({_describe(proc)}) is neither a launcher (torchrun, areal) "
+                    f"nor a rank: {len(ranks)} rank process(es) of {len(jobs)} job(s) run "
+                    "under it",
+                    hint="name a job's torchrun or its ranks (--pid PID), or --job E/T; "
+                    "`areal doctor hang` without a target finds every job of yours",
+                )
+            # A Python parent whose children are the ranks of one job (mp.spawn, a custom
+            # spawner): its ranks.
             key = ("parent", pid)
             groups[key] = Job(label=f"pid {pid} ({_describe(proc)})", ranks=ranks, launcher_pid=pid)
             continue
@@ -404,6 +415,16 @@ def is_launcher(p: psutil.Process) -> bool:
     if "areal" in names or "areal_cli" in joined or "areal_cli.cli" in joined:
         return True
     return False
+
+
+def _is_spawner(p: psutil.Process, ranks: list[RankProc], tree: _Tree) -> bool:
+    """A parent not known as a launcher is taken for one only when it is a Python process
+    whose own children are the ranks, all of one rendezvous."""
+    if not is_python(p):
+        return False
+    if any(tree.parent.get(r.pid) != p.pid for r in ranks):
+        return False
+    return len({r.job_key() for r in ranks}) == 1
 
 
 def is_python(p: psutil.Process) -> bool:

@@ -8,6 +8,8 @@ collective, that one). Its state is one of
     busy        on CPU (py-spy reports the thread active) outside a collective
     idle        blocked elsewhere (queue, lock, sleep, data loader)
     missing     the process is gone
+    stopped     the process is stopped (state T: SIGSTOP, Ctrl-Z); its stack, read without
+                attaching, is where it stopped
     error       py-spy could not read it
 
 With several samples a rank has moved when its stack changed, or when its thread waits in a
@@ -18,6 +20,7 @@ stuck; one that calls other functions is slow.
 A hang is only called when nothing moved. Verdicts, first match wins:
 
     missing_rank               WORLD_SIZE says N, a rank's process is gone, the rest wait
+    stopped_rank               a rank's process is stopped: the others wait for it
     no_hang                    with several samples, every rank moved
     progressing                with several samples, some ranks moved while others waited
     shape_mismatch             (flight recorder) ranks recorded one collective of a group, the
@@ -58,6 +61,7 @@ KINDS = (
     "mismatched_collective",
     "collective_type_mismatch",
     "missing_rank",
+    "stopped_rank",
     "blocked_outside_collective",
     "straggler",
     "collective_stuck",
@@ -282,8 +286,11 @@ def classify_rank(rs: RankSamples) -> RankResult:
     if rs.gone or (rs.dumps and rs.dumps[-1].error_kind == "gone"):
         why = "the process exited during the dump" if good else "the process is gone"
         return RankResult(rs.rank, rs.pid, "missing", error=why, error_kind="gone")
+    stopped = bool(rs.dumps) and rs.dumps[-1].stopped
     if not good:
         last = rs.dumps[-1] if rs.dumps else None
+        if stopped:
+            return RankResult(rs.rank, rs.pid, "stopped", progress="still")
         return RankResult(
             rs.rank,
             rs.pid,
@@ -299,7 +306,9 @@ def classify_rank(rs: RankSamples) -> RankResult:
     coll = find_collective(last.frames)
     active_votes = sum(1 for t in picks if t.active)
     busy = active_votes * 2 >= len(picks) and active_votes > 0
-    if coll is not None:
+    if stopped:
+        state = "stopped"
+    elif coll is not None:
         state = "collective"
     elif busy:
         state = "busy"
@@ -318,6 +327,8 @@ def classify_rank(rs: RankSamples) -> RankResult:
             progress = "stuck" if same_chain else "slow"
         else:
             progress = "moving" if moved else "still"
+    if stopped:
+        progress = "still"  # whatever it did before, it does nothing now
     return RankResult(
         rank=rs.rank,
         pid=rs.pid,
@@ -427,6 +438,23 @@ def decide(
             evidence=[f"rank {m}: no process" for m in missing] + [_line(r) for r in present],
             hint="read the missing rank's log for its exit (`areal logs E/T`, or torchrun's "
             "output): it died or returned early, and the others wait for it forever",
+        )
+
+    stopped = [r for r in present if r.state == "stopped"]
+    if stopped:
+        others = [r for r in present if r.state != "stopped"]
+        pids = " ".join(str(r.pid) for r in stopped if r.pid)
+        return Verdict(
+            "stopped_rank",
+            [r.rank for r in stopped],
+            [],
+            f"{_ranks_word([r.rank for r in stopped])} (pid {pids.replace(' ', ', ')}) "
+            f"{'is' if len(stopped) == 1 else 'are'} stopped (state T: a SIGSTOP, Ctrl-Z or a "
+            f"job suspend), at {_where(stopped[0])}"
+            + (f", while {_where_many(others)}" if others else ""),
+            evidence=[_line(r) for r in stopped + others],
+            hint=f"`kill -CONT {pids}` resumes {'it' if len(stopped) == 1 else 'them'}; "
+            "find who stopped it (a terminal's Ctrl-Z, a debugger, a scheduler's suspend)",
         )
 
     if samples > 1:
@@ -668,6 +696,8 @@ def how_sure(v: Verdict, results: list[RankResult], samples: int, window: float)
     over = f"{samples} samples over {window:.1f}s"
     if v.kind == "missing_rank":
         return "high", "a rank's process is gone; the others cannot finish without it"
+    if v.kind == "stopped_rank":
+        return "high", "the kernel says the process is stopped; it cannot run until continued"
     if samples < 2:
         if v.is_hang:
             return "low", (
@@ -742,6 +772,7 @@ def _line(r: RankResult) -> str:
         + (f" ({r.op})" if r.op and r.op != r.collective else ""),
         "busy": "computing",
         "idle": "idle",
+        "stopped": "stopped",
     }.get(r.state, r.state)
     where = _where(r)
     pid = f" (pid {r.pid})" if r.pid else ""
