@@ -144,19 +144,6 @@ def register(app: typer.Typer) -> None:
             help="On a stall: observe (verdict and bundle in the logs) | fail (then stop, "
             "exit 1) (default observe).",
         ),
-        watchdog: float = typer.Option(
-            None,
-            "--watchdog",
-            min=0,
-            help="Seconds without progress of any rank before the hang doctor runs on the job "
-            "(default 300; 0 off).",
-        ),
-        watchdog_action: str = typer.Option(
-            None,
-            "--watchdog-action",
-            help="On a stall: observe (verdict and bundle in the logs) | fail (then stop, "
-            "exit 1) (default observe).",
-        ),
         registry: str = RegistryOpt,
         home: Path = HomeOpt,
         dry_run: bool = typer.Option(

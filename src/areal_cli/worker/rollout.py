@@ -47,7 +47,6 @@ from typing import Any, TypeVar
 
 from areal_cli.errors import LaunchError, UsageError
 from areal_cli.worker.channel import report_progress
-from areal_cli.worker.channel import report_progress
 
 BACKENDS = ("sglang", "hf", "vllm")
 # SGLang's pause modes (srt/managers/io_struct.py:1927-1946) and vLLM's
