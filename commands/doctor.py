@@ -759,7 +759,7 @@ def _render_why(rep, name: str | None) -> None:
     out.print(f"  {escape(r.message)}")
     if r.where:
         out.print(f"  at [cyan]{escape(r.where)}[/]")
-    src = f"{r.source}" + (f" line {r.line}" if r.line else "")
+    src = (r.path or r.source) + (f":{r.line}" if r.line else "")
     also = [x for x in r.ranks if x != r.rank]
     out.print(
         f"  [dim]{escape(src)}"

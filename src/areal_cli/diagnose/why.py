@@ -82,6 +82,8 @@ class Event:
     hint: str | None = None
     ranks: list[int] = field(default_factory=list)  # every rank where the same failure shows
     failures: list[dict] = field(default_factory=list)  # torchrun's report: rank, exit code
+    path: str | None = None  # the log file it is in
+    node: str | None = None  # where the rank ran, where a node's torchrun log says
     order: tuple = ()  # where it sits in the logs' own order
 
     @property
@@ -103,9 +105,11 @@ class Event:
         }
         extra = {
             "line": self.line,
+            "path": self.path,
             "time": self.time,
             "exit_code": self.exit_code,
             "sender": self.sender,
+            "node": self.node,
             "ranks": self.ranks or None,
             "caused_by": self.caused_by,
             "hint": self.hint,
@@ -421,6 +425,11 @@ def _single_line(source, rank, stream, i, t) -> Event | None:
             "NODE FAILURE": "Slurm node failure",
         }.get(why, f"Slurm cancel ({why.lower()})" if why else "Slurm cancel (scancel)")
         when = _slurm_time(m.group(4))
+        if m.group(1) == "STEP" and not why:
+            # Slurm ends a step's other tasks once one task failed (--kill-on-bad-exit): the
+            # consequence of that failure, not a stop from outside.
+            return Event("stopped_by_launcher", _shorten(text.strip(" *")), source, rank,
+                         line=lineno, time=when or t)  # fmt: skip
         return Event("signal", _shorten(text.strip(" *")), source, rank, line=lineno,
                      time=when or t, sender=sender)  # fmt: skip
     m = _NCCL_WATCHDOG.search(text)
@@ -627,6 +636,8 @@ def analyze(events: Sequence[Event], kernel: Kernel | None = None) -> Report:
         rank_of = {"collective_timeout": 0, "connection_lost": 1, "signal": 2}
         root = min(events, key=lambda e: (rank_of.get(e.kind, 3), e.time or float("inf"),
                                           e.order))  # fmt: skip
+    if root.rank is not None and root.node is None:
+        root.node = _node_of(root.rank, events)
     same = [e for e in events if e is not root and _same(e, root)]
     root.ranks = sorted({e.rank for e in [root, *same] if e.rank is not None})
     if root.kind in OOM_KINDS:
@@ -642,6 +653,14 @@ def analyze(events: Sequence[Event], kernel: Kernel | None = None) -> Report:
         e.caused_by = "the same failure as the root cause" if _same(e, root) else cause
         secondary.append(e)
     return Report(root, secondary)
+
+
+def _node_of(rank: int, events: Sequence[Event]) -> str | None:
+    """The node whose torchrun (its log torchrun-<node>.log) reported the rank's failure."""
+    for e in events:
+        if e.source.startswith("torchrun-") and any(f["rank"] == rank for f in e.failures):
+            return e.source.removeprefix("torchrun-")
+    return None
 
 
 def _same(a: Event, b: Event) -> bool:
@@ -727,6 +746,7 @@ def parse_files(paths: Sequence[tuple[str, Path]], max_bytes: int = 4 << 20) -> 
             continue
         for e in parse_log(label, text.splitlines(), rank=label_rank(label), year=year):
             e.order = (k, *e.order)
+            e.path = str(path)
             events.append(e)
     return events
 

@@ -154,6 +154,21 @@ def tail_text(path: str | Path) -> str:
     return "\n".join(lines[-TAIL_LINES:]) or "(no output)"
 
 
+def explain_failure(
+    log_dir: Path, torchrun_logs: list[str | Path]
+) -> tuple[int | None, int | None, str | None, str | None, str | None]:
+    """(first failing rank, its exit code, what it died of, a hint, its node) for a training
+    job's failure report: the same verdict as `areal doctor why` (every rank's and every
+    node's log, peers' consequences set aside)."""
+    from areal_cli.diagnose import why
+
+    rank, code, rep = why.first_failure(log_dir, torchrun_logs, kernel=why.read_kernel())
+    if rank is None:
+        rank, code = root_cause(log_dir, torchrun_logs)
+    root = rep.root
+    return rank, code, rep.headline(), root.hint if root else None, root.node if root else None
+
+
 def root_cause(log_dir: Path, torchrun_logs: list[str | Path]) -> tuple[int | None, int | None]:
     """(first failing rank, its exit code) from torchrun's failure report: "rank : 1
     (local_rank: 1)" then "exitcode : 5 (pid: 123)". Several nodes: the first report that names

@@ -274,6 +274,10 @@ class LocalScheduler(Scheduler):
             fresh.state = "stopped"
             fresh.message = "stopped by areal stop"
             records.write(self.home, fresh)
+        elif was_running and fresh.message == "terminated":
+            # A foreground job knows only that a SIGTERM came: it was ours.
+            fresh.message = "stopped by areal stop"
+            records.write(self.home, fresh)
         return StopResult(rec.name, was_running, killed, deregistered)
 
     def _record(self, handle: Handle) -> records.JobRecord:

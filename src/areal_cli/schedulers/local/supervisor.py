@@ -46,8 +46,8 @@ from areal_cli.registry import open_registry
 from areal_cli.schedulers.common import (
     TAIL_LINES,
     describe_exit,
+    explain_failure,
     resume_left_paused,
-    root_cause,
     tail_text,
 )
 from areal_cli.schedulers.local import records
@@ -478,8 +478,9 @@ class Supervisor:
     def _failure(self, proc: _Proc, code: int, when: str) -> LaunchError:
         label, log = proc.label, proc.plan.log_path
         tail = self._tail_text(log)
+        died_of, hint = None, None
         if proc.plan.role == "trainer":
-            rank, rank_code = root_cause(Path(self.plan.log_dir), [log])
+            rank, rank_code, died_of, hint, _ = explain_failure(Path(self.plan.log_dir), [log])
             if rank is not None:
                 label = f"rank-{rank}"
                 if rank_code is not None and rank_code != code:
@@ -488,7 +489,9 @@ class Supervisor:
                 log = os.path.join(self.plan.log_dir, f"rank-{rank}.log")
                 tail = self._tail_text(log)
         what = f"{label} failed {when}".strip()
-        return LaunchError(f"{what}: {describe_exit(code)}", detail=tail, hint=f"full log: {log}")
+        died_of = f"; {died_of}" if died_of else ""
+        hint = f"full log: {log}" + (f"; {hint}" if hint else "")
+        return LaunchError(f"{what}: {describe_exit(code)}{died_of}", detail=tail, hint=hint)
 
     @staticmethod
     def _tail_text(path: str) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 from areal_cli import apikeys, logfiles, settings
 from areal_cli.errors import EXIT_TIMEOUT, ArealError, LaunchError, UsageError, WaitTimeout
 from areal_cli.schedulers.api import ENDED, LIVE, Stopped
-from areal_cli.schedulers.common import describe_exit, root_cause, tail_text
+from areal_cli.schedulers.common import describe_exit, explain_failure, tail_text
 from areal_cli.schedulers.slurm import cluster, records
 from areal_cli.schedulers.slurm.planner import SlurmPlan, jobs_dir, slot
 from areal_cli.schedulers.slurm.records import SlurmRecord
@@ -630,18 +630,20 @@ class Watch:
     def _trainer_failure(self, code: int) -> LaunchError:
         log_dir = Path(self.plan.log_dir)
         logs = sorted(str(p) for p in log_dir.glob("torchrun-*.log"))
-        rank, rank_code = root_cause(log_dir, logs)
+        rank, rank_code, died_of, hint, node = explain_failure(log_dir, logs)
         if rank is None:
             log = logs[0] if logs else self._supervisor_log()
             return LaunchError(f"torchrun failed: {describe_exit(code)}",
                                detail=tail_text(log), hint=f"full log: {log}")  # fmt: skip
-        node = self._rank_nodes().get(rank)
+        node = self._rank_nodes().get(rank) or node
         where = f" on node {node}" if node else ""
         log = str(log_dir / f"rank-{rank}.log")
+        died_of = f"; {died_of}" if died_of else ""
         return LaunchError(
-            f"rank-{rank}{where} failed: {describe_exit(rank_code if rank_code is not None else code)}",
+            f"rank-{rank}{where} failed: "
+            f"{describe_exit(rank_code if rank_code is not None else code)}{died_of}",
             detail=tail_text(log),
-            hint=f"full log: {log}",
+            hint=f"full log: {log}" + (f"; {hint}" if hint else ""),
         )
 
     def _node_failure(self, info: cluster.JobInfo) -> LaunchError:
