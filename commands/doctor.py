@@ -118,6 +118,7 @@ def hang_cmd(
             show_locals=show_locals,
             timeout=timeout,
             on_progress=progress,
+            torch_analyzer=bool(out_dir),  # seconds of torch's import: for the bundle only
         )
     finally:
         if status is not None:

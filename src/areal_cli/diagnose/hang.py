@@ -9,8 +9,8 @@ job: a rank none of whose Python threads ran since the last sample is not dumped
 Ranks on areal's worker runtime also answer over their doctor channel with torch's flight
 recorder (diagnose.flight), asked once after the last sample, all ranks at once: the verdict
 then knows each process group's collective numbers, ops, sizes and dtypes. Where it finds a
-shape or group mismatch, torch's own analyzer (`torchfrtrace`) is run on the dumps too, and
-what it says joins the evidence.
+shape or group mismatch and a bundle is written (--out, the watchdog), torch's own analyzer
+(`torchfrtrace`) is run on the dumps too, and what it says joins the evidence.
 """
 
 from __future__ import annotations
@@ -95,9 +95,12 @@ def diagnose(
     timeout: float = stacks.DEFAULT_TIMEOUT,
     on_progress: ProgressFn | None = None,
     with_flight: bool = True,
+    torch_analyzer: bool = False,
 ) -> list[HangReport]:
     """Dump and judge every rank of `jobs`, `samples` times, `interval` seconds apart (start to
-    start). Raises AttachError when no rank can be read, TargetsExited when all exited."""
+    start). Raises AttachError when no rank can be read, TargetsExited when all exited.
+    `torch_analyzer`: on a shape or group mismatch, also run torch's analyzer on the dumps (a
+    few seconds: it imports torch), for a bundle nobody waits on."""
     cluster = [j for j in jobs if j.scheduler_job_id]
     if cluster:
         opts = dict(samples=samples, interval=interval, native=native,
@@ -152,7 +155,7 @@ def diagnose(
     flight_s = time.monotonic() - t0
     t0 = time.monotonic()
     reports = [_judge(job, rounds, tracer, flights=flights) for job in jobs]
-    for rep in reports:
+    for rep in reports if torch_analyzer else ():
         _torch_analysis(rep)
     judge_s = time.monotonic() - t0
     for rep in reports:

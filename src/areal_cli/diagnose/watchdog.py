@@ -205,7 +205,7 @@ class Watchdog:
         bundle = self.log_dir / f"watchdog-{time.strftime('%Y%m%d-%H%M%S')}"
         kind, odd, summary, reached = None, [], "", {}
         try:
-            reports = hang.diagnose([job])
+            reports = hang.diagnose([job], torch_analyzer=True)
             hang.write_bundle(reports, bundle)
             v = reports[0].analysis.verdict
             if v is not None:
