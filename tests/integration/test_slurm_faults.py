@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -106,8 +107,13 @@ def _wait(pred, timeout: float, what: str):
 
 
 def test_a_hung_controller_ends_nothing_and_every_command_exits_3(
-    slurm_env, areal_env, fake_env, monkeypatch, tmp_path
+    private_slurm_cluster, areal_env, fake_env, monkeypatch, tmp_path
 ):
+    # A controller of this test's own: stopping the shared one would stall the Slurm tests
+    # that other workers run meanwhile.
+    slurm_env = private_slurm_cluster
+    for key, value in slurm_env.env.items():
+        monkeypatch.setenv(key, value)
     home, registry = areal_env
     res = areal("serve", *SLURM, *FAKE, "--alloc", "hf:d2", "--detach", "--json", timeout=120)
     assert res.returncode == 0, res.stderr
@@ -135,7 +141,7 @@ def test_a_hung_controller_ends_nothing_and_every_command_exits_3(
                 res = areal(*args, check=None, timeout=60)
                 took[what] = time.monotonic() - t0
                 assert res.returncode == 3, (what, res.stdout, res.stderr)
-                assert "slurmctld at vm:20121 did not answer" in res.stderr, (what, res.stderr)
+                assert re.search(r"slurmctld at \S+ did not answer", res.stderr), (what, res.stderr)
                 assert "Traceback" not in res.stderr
             t0 = time.monotonic()
             with pytest.raises(cluster.Unreachable) as got:
