@@ -17,6 +17,7 @@ app = typer.Typer(
 \b
 Examples:
   areal doctor hang --job myexp/trial0   # every rank's stack, odd rank named
+  areal doctor why myexp/trial0          # a job that died: its first failure
   areal doctor env --preset nccl -- areal train ...
   areal doctor allreduce --nproc 8       # busbw per size, hang-checked
   areal doctor check                     # is this host ready?
@@ -646,7 +647,7 @@ def mesh_cmd(
 def why_cmd(
     targets: list[str] = typer.Argument(
         None,
-        metavar="EXPERIMENT/TRIAL | FILE...",
+        metavar="E/T | FILE",
         help="A job that ended, or log files with --log.",
     ),
     log: bool = typer.Option(
@@ -673,7 +674,7 @@ def why_cmd(
 
     \b
     Examples:
-      areal doctor why myexp/trial0            # a job that ended (see `areal ps --all`)
+      areal doctor why myexp/trial0            # a job that ended (areal ps --all)
       areal doctor why myexp/trial0 --json
       areal doctor why --log torchrun.log      # a log from anywhere
       areal doctor why --log slurm-4711.out rank-*.log
@@ -777,10 +778,11 @@ def _render_why(rep, name: str | None) -> None:
         out.print(f"  [yellow]{escape(r.hint)}[/]")
     if rep.secondary:
         out.print(f"[bold]secondary[/] ({len(rep.secondary)}), each caused by the root cause:")
-        for e in rep.secondary:
-            who = f"rank {e.rank}" if e.rank is not None else e.source
+        whos = [f"rank {e.rank}" if e.rank is not None else e.source for e in rep.secondary]
+        width = max(10, *map(len, whos))
+        for e, who in zip(rep.secondary, whos, strict=True):
             msg = e.message if len(e.message) <= 110 else e.message[:109] + "…"
             same = (
                 " (the same failure)" if e.caused_by and e.caused_by.startswith("the same") else ""
             )
-            out.print(f"  {escape(who):<10} {e.kind:<19} {escape(msg)}{same}")
+            out.print(f"  {escape(who):<{width}} {e.kind:<19} {escape(msg)}{same}")

@@ -136,7 +136,8 @@ class Report:
         if self.root is None:
             return None
         at = f" at {self.root.where}" if self.root.where else ""
-        return f"{self.root.kind}: {self.root.message}{at}"
+        by = f", sent by {self.root.sender}" if self.root.sender else ""
+        return f"{self.root.kind}: {self.root.message}{at}{by}"
 
 
 # -- one log ---------------------------------------------------------------------------------
@@ -685,7 +686,7 @@ def _from_torchrun_report(events: list[Event], kernel: Kernel | None) -> list[Ev
                 continue  # torchrun's own teardown of the survivors
             ev = Event("signal", f"rank {rank} {describe_code(code)} (pid {f['pid']})",
                        e.source, rank, line=e.line, time=f["time"], pid=f["pid"],
-                       exit_code=code, order=e.order)  # fmt: skip
+                       exit_code=code, order=e.order, path=e.path)  # fmt: skip
             if sig == _signal.SIGKILL:
                 _kernel_verdict(ev, kernel)
             elif sig == _signal.SIGABRT:
