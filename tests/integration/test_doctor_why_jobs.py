@@ -80,6 +80,16 @@ def test_a_rank_killed_with_sigkill_is_the_root(tmp_path):
     assert any(e["rank"] == 0 and e["kind"] == "connection_lost" for e in out["secondary"])
 
 
+def test_a_rank_out_of_cpu_memory_points_to_doctor_memory(tmp_path):
+    res = train("cpu_oom", tmp_path)
+    assert "rank-1 failed" in res.stderr and "cpu_oom: RuntimeError" in res.stderr
+    assert "areal doctor memory" in res.stderr
+    root = why()["root_cause"]
+    assert (root["rank"], root["kind"]) == (1, "cpu_oom")
+    assert "DefaultCPUAllocator: can't allocate memory" in root["message"]
+    assert root["where"].startswith(SCRIPT) and "areal doctor memory" in root["hint"]
+
+
 def test_areal_stop_mid_run_is_the_root(tmp_path):
     env = {**os.environ, "DIE": "stop", "RECORD_DIR": str(tmp_path)}
     proc = subprocess.Popen([AREAL, "train", "--alloc", "fsdp:d2", "--servers", "none", SCRIPT],

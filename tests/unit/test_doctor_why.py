@@ -101,6 +101,25 @@ def test_a_sigkill_is_the_oom_killers_when_the_kernel_names_the_pid():
     assert "dmesg names no OOM kill" in rep.root.sender
 
 
+def test_slurm_counts_the_oom_kill_of_a_rank_on_another_node():
+    rep = report("slurm-oom.out", kernel=why.Kernel(dmesg_readable=True, host="login"))
+    assert (rep.root.rank, rep.root.kind, rep.root.exit_code) == (1, "oom_killer", -9)
+    assert "Detected 1 oom_kill event" in rep.root.detail[0]
+    assert "areal doctor memory" in rep.root.hint
+    assert any(e.kind == "connection_lost" and e.rank == 0 for e in rep.secondary)
+
+
+def test_a_timeout_with_nothing_before_it_is_a_hang():
+    lines = ["Traceback (most recent call last):",
+             '  File "/home/me/train.py", line 5, in <module>',
+             '  File "/v/site-packages/torch/distributed/distributed_c10d.py", line 3252, in all_reduce',
+             "RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out "
+             "waiting 2000ms for recv operation to complete"]  # fmt: skip
+    rep = why.analyze(why.parse_log("rank-0", lines, rank=0))
+    assert (rep.root.kind, rep.root.where) == ("collective_timeout", "/home/me/train.py:5")
+    assert "areal doctor hang" in rep.root.hint
+
+
 def test_cgroup_counts_in_both_cgroup_versions():
     assert why.cgroup_oom_kills("low 0\nhigh 0\nmax 3\noom 2\noom_kill 2\n") == 2
     assert why.cgroup_oom_kills("oom_kill_disable 0\nunder_oom 0\noom_kill 5\n") == 5

@@ -37,6 +37,10 @@ SECONDARY_KINDS = (
 )
 OOM_KINDS = ("cpu_oom", "cuda_oom", "oom_killer")
 MEMORY_HINT = "next: `areal doctor memory` shows what held the memory"
+HANG_HINT = (
+    "nothing failed before this timeout: a hang. `areal doctor hang` (or the watchdog's "
+    "bundle, areal train --watchdog) names the rank that never joined"
+)
 
 _PREFIX = re.compile(r"^\[(?:default|rank)(\d+)\]:\s?")
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (.+)$')
@@ -54,6 +58,8 @@ _TEARDOWN = re.compile(
     r"destroy_process_group\(\) was not called|process group has NOT been destroyed"
 )
 _OUR_STOP = re.compile(r"^stopping: (SIG\w+)$")  # our torchrun runner, when it is stopped
+# slurmstepd, when the step's cgroup saw the kernel's OOM killer (21.08+ and older wording).
+_SLURM_OOM = re.compile(r"Detected (\d+) oom[-_]kill event")
 # Timestamps as the logs write them: glog (torch's C++ and torchrun), AReaL, Python logging.
 _GLOG = re.compile(r"^\[?[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)(\.\d+)?\s")
 _AREAL_TS = re.compile(r"^(\d{4})(\d\d)(\d\d)-(\d\d):(\d\d):(\d\d)(\.\d+)?\s")
@@ -278,11 +284,32 @@ def _parse_stream(source: str, rank: int | None, stream, year) -> list[Event]:
                     ev.time = last_time[1]
                 out.append(ev)
             continue
+        if text.startswith(_CHILD_FAILED):
+            # torchrun's report without its traceback (a log that starts or was cut there).
+            ev = Event("child_failed", text.strip(), source, rank, line=lineno, time=t)
+            block, i = _child_block(stream, i + 1)
+            _child_failed(ev, block)
+            out.append(ev)
+            continue
         ev = _single_line(source, rank, stream, i, t)
         if ev is not None:
             out.append(ev)
         i += 1
     return out
+
+
+_CHILD_FAILED = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+
+
+def _child_block(stream, i) -> tuple[list[str], int]:
+    """torchrun's failures block from stream[i] to its closing rule."""
+    block: list[str] = []
+    while i < len(stream) and not stream[i][1].startswith("Traceback"):
+        block.append(stream[i][1])
+        i += 1
+        if block[-1].startswith("=") and len(block) > 2:
+            break
+    return block, i
 
 
 def _traceback(source, rank, stream, i) -> tuple[Event | None, int]:
@@ -316,12 +343,7 @@ def _traceback(source, rank, stream, i) -> tuple[Event | None, int]:
         messages.append(text.strip())
         i += 1
         if "ChildFailedError" in text:
-            # torchrun's report follows: its failures block until the closing rule.
-            while i < n and not stream[i][1].startswith("Traceback"):
-                child.append(stream[i][1])
-                i += 1
-                if child[-1].startswith("=") and len(child) > 2:
-                    break
+            child, i = _child_block(stream, i)  # torchrun's report follows
             break
         # A chained exception: "During handling ..." then another traceback.
         j = i
@@ -433,6 +455,10 @@ def _single_line(source, rank, stream, i, t) -> Event | None:
                          line=lineno, time=when or t)  # fmt: skip
         return Event("signal", _shorten(text.strip(" *")), source, rank, line=lineno,
                      time=when or t, sender=sender)  # fmt: skip
+    m = _SLURM_OOM.search(text)
+    if m:
+        return Event("oom_killer", _shorten(text.strip()), source, rank, line=lineno, time=t,
+                     sender="Slurm (the step's cgroup)", hint=MEMORY_HINT)  # fmt: skip
     m = _NCCL_WATCHDOG.search(text)
     if m:
         return Event("collective_timeout", _shorten("Watchdog caught collective operation timeout: "
@@ -516,13 +542,15 @@ class Kernel:
     dmesg_readable: bool = False
     cgroup_oom_kill: int | None = None
     cgroup_file: str | None = None
+    host: str | None = None  # where it was read: a rank on another node is not in it
 
 
 def read_kernel() -> Kernel:
     """dmesg where this user may read it, and this process's cgroup's OOM-kill count."""
+    import socket
     import subprocess
 
-    k = Kernel()
+    k = Kernel(host=socket.gethostname())
     try:
         res = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=5)
         if res.returncode == 0:
@@ -643,6 +671,8 @@ def analyze(events: Sequence[Event], kernel: Kernel | None = None) -> Report:
     root.ranks = sorted({e.rank for e in [root, *same] if e.rank is not None})
     if root.kind in OOM_KINDS:
         root.hint = MEMORY_HINT
+    elif root.kind == "collective_timeout":
+        root.hint = HANG_HINT
     cause = root.short()
     secondary = []
     seen: set = set()
@@ -674,6 +704,7 @@ def _from_torchrun_report(events: list[Event], kernel: Kernel | None) -> list[Ev
     of the first failure."""
     out: list[Event] = []
     own = {e.rank for e in events if not e.secondary_kind and e.rank is not None}
+    slurm_oom = [e for e in events if e.kind == "oom_killer" and e.rank is None]
     for e in events:
         for f in e.failures:
             code, rank = f["exit_code"], f["rank"]
@@ -688,7 +719,7 @@ def _from_torchrun_report(events: list[Event], kernel: Kernel | None) -> list[Ev
                        e.source, rank, line=e.line, time=f["time"], pid=f["pid"],
                        exit_code=code, order=e.order, path=e.path)  # fmt: skip
             if sig == _signal.SIGKILL:
-                _kernel_verdict(ev, kernel)
+                _kernel_verdict(ev, kernel, slurm_oom)
             elif sig == _signal.SIGABRT:
                 ev.kind = "native_abort"
             own.add(rank)
@@ -696,9 +727,17 @@ def _from_torchrun_report(events: list[Event], kernel: Kernel | None) -> list[Ev
     return out
 
 
-def _kernel_verdict(ev: Event, kernel: Kernel | None) -> None:
-    """A SIGKILL is the OOM killer's when the kernel's log names that pid; otherwise it came
+def _kernel_verdict(ev: Event, kernel: Kernel | None, slurm_oom: Sequence[Event] = ()) -> None:
+    """A SIGKILL is the OOM killer's when the kernel's log names that pid, or when Slurm saw
+    an OOM kill in the step (on a node whose kernel log is not here); otherwise it came
     from someone (the cgroup's count says whether the OOM killer acted at all)."""
+    if slurm_oom:
+        ev.kind = "oom_killer"
+        ev.message = f"rank {ev.rank} (pid {ev.pid}) killed by the OOM killer in its Slurm step"
+        ev.detail = [slurm_oom[0].message]
+        ev.sender = "the kernel's OOM killer (Slurm counted it)"
+        ev.hint = MEMORY_HINT
+        return
     if kernel is None:
         ev.sender = "unknown (no kernel record read)"
         return
@@ -711,10 +750,11 @@ def _kernel_verdict(ev: Event, kernel: Kernel | None) -> None:
         ev.hint = MEMORY_HINT
         return
     notes = []
+    here = f" on {kernel.host}" if kernel.host else ""
     if kernel.dmesg_readable:
-        notes.append("dmesg names no OOM kill of it")
+        notes.append(f"dmesg{here} names no OOM kill of it")
     else:
-        notes.append("dmesg not readable")
+        notes.append(f"dmesg{here} not readable")
     if kernel.cgroup_oom_kill:
         notes.append(
             f"the cgroup counts {kernel.cgroup_oom_kill} OOM kill(s) ({kernel.cgroup_file})"
