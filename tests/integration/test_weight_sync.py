@@ -72,8 +72,8 @@ def trainer(model: Path, servers: list[HfServer], *args: str, nproc: int = 1) ->
     return cmd
 
 
-def run_trainer(cmd: list[str], timeout: float = 240) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+def run_trainer(cmd: list[str], timeout: float = 240, **env_extra: str) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **env_extra}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert res.returncode == 0, res.stderr[-4000:]
     return [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
@@ -93,6 +93,9 @@ def test_distributed_sync_reaches_every_replica_and_reuses_its_group(models, tmp
                 assert greedy(s) == lines[-1]["expected"] != before[0]
                 assert s.log().count("init custom process group") == run
                 assert s.log().count("weights updated from distributed") == 3 * run
+                # A trainer that finished leaves no group and no owner behind.
+                info = s.get("/server_info")[1]
+                assert info["weight_update"]["groups"] == [] and info["weight_owner"] is None
     finally:
         for s in servers:
             s.stop()
@@ -368,3 +371,143 @@ def test_a_trainer_opening_the_group_as_sglangs_helper_does_meets_our_server(tin
     assert out["joined"] is True, out
     assert out["init"][0] == 200 and out["init"][1]["success"] is True, out
     assert out["destroy"][0] == 200, out
+
+
+# Inside a network namespace of its own (the test's private loopback): a server, a trainer
+# whose HTTP connection is open, then every other ephemeral port taken, then a sync.
+NO_PORTS = textwrap.dedent("""
+    import json, socket, subprocess, sys, time, urllib.request
+    from pathlib import Path
+    model = sys.argv[1]
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    server = subprocess.Popen([sys.executable, "-m", "areal_cli.server", "--model-path", model,
+                               "--port", "8000"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(1200):
+            try:
+                if urllib.request.urlopen("http://127.0.0.1:8000/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.1)
+        import torch
+        from transformers import AutoModelForCausalLM
+        from areal_cli.worker import sync_weights
+        from areal_cli.worker.rollout import RolloutClient
+        client = RolloutClient(["127.0.0.1:8000"], backend="hf", retries=0)
+        client.run(client.server_info("127.0.0.1:8000"))  # its connection stays open
+        Path("/proc/sys/net/ipv4/ip_local_port_range").write_text("61000 61007")
+        held = []
+        for port in range(61000, 61008):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port)); s.listen(); held.append(s)
+            except OSError:
+                s.close()
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        try:
+            sync_weights(model, client, version=1, timeout=20)
+            print(json.dumps({"ok": True}))
+        except Exception as e:
+            print(json.dumps({"ok": False, "type": type(e).__name__, "error": str(e),
+                              "hint": getattr(e, "hint", None)}))
+        client.close_sync()
+    finally:
+        server.kill()
+        server.wait()
+""")
+
+
+def test_sync_with_no_ephemeral_port_left_says_what_ran_out(models):
+    probe = subprocess.run(["unshare", "-rn", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no network namespace here: {probe.stderr.decode().strip()}")
+    res = subprocess.run(["unshare", "-rn", sys.executable, "-c", NO_PORTS, str(models["tiny"])],
+                         capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["ok"] is False and out["type"] == "RolloutError", out
+    assert "EADDRINUSE" in out["error"] and "ephemeral ports (61000-61007)" in out["error"], out
+    assert "ip_local_port_range" in out["hint"] and "disk" in out["hint"], out
+
+
+def test_a_sync_every_server_refuses_names_each_answer_and_resumes_them(models, tmp_path):
+    """A trainer of another model: both servers answer 400. The error names each with its
+    answer, and neither stays paused."""
+    servers = start(models["tiny"], tmp_path, 2)
+    try:
+        (line,) = run_trainer(trainer(models["mid"], servers, "--timeout", "30"))
+        assert line["ok"] is False, line
+        for s in servers:
+            assert f"127.0.0.1:{s.port}: " in line["error"], line
+        assert "served model" in line["error"] and "Set of Tasks" not in line["error"], line
+        for s in servers:
+            assert s.get("/server_info")[1]["batching"]["paused"] is False
+            assert greedy(s) and version(s) == "default"
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_a_server_restarted_between_syncs_is_noticed_and_gets_the_weights(models, tmp_path):
+    srv = HfServer(models["tiny"], tmp_path, "--seed", "0")
+    srv.wait_healthy()
+    gate = tmp_path / "go"
+    cmd = trainer(models["tiny"], [srv], "--syncs", "2", "--wait-file", str(gate))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        first = json.loads(proc.stdout.readline())
+        assert first["ok"] and version(srv) == "1", first
+        srv.stop()
+        srv = HfServer(models["tiny"], tmp_path, "--seed", "0", port=srv.port)
+        srv.wait_healthy()
+        assert version(srv) == "default"
+        gate.touch()
+        second = json.loads(proc.stdout.readline())
+        assert second["ok"] and second["servers"] == [f"127.0.0.1:{srv.port}"], second
+        assert version(srv) == "2" and greedy(srv) == second["expected"]
+        assert proc.wait(60) == 0
+        assert "was restarted since the last weight sync" in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+        srv.stop()
+
+
+def test_one_trainer_owns_a_servers_weights_and_the_second_is_refused_at_once(models, tmp_path):
+    (srv,) = start(models["tiny"], tmp_path, 1)
+    gate = tmp_path / "go"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "AREAL_EXPERIMENT": "exp-a", "AREAL_TRIAL": "t1"}
+    cmd = trainer(models["tiny"], [srv], "--syncs", "2", "--wait-file", str(gate))
+    owner = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env)  # fmt: skip
+    try:
+        assert json.loads(owner.stdout.readline())["ok"]
+        # Another trial's trainer: refused at its first request, naming the owner.
+        (other,) = run_trainer(trainer(models["tiny"], [srv]), AREAL_EXPERIMENT="exp-b")
+        assert other["ok"] is False and other["seconds"] < 10, other
+        assert "another trainer, exp-a/t1 (pid" in other["error"], other
+        assert srv.get("/server_info")[1]["batching"]["paused"] is False
+        gate.touch()
+        assert json.loads(owner.stdout.readline())["ok"] and version(srv) == "2"
+        assert owner.wait(60) == 0
+        # The owner finished: its ownership went with it.
+        (other,) = run_trainer(trainer(models["tiny"], [srv]), AREAL_EXPERIMENT="exp-b")
+        assert other["ok"] and version(srv) == "1", other
+        # An owner that dies without a word (SIGKILL) holds nothing either.
+        gate.unlink()
+        killed = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                  text=True, env=env)  # fmt: skip
+        assert json.loads(killed.stdout.readline())["ok"]
+        killed.kill()
+        killed.wait()
+        (other,) = run_trainer(trainer(models["tiny"], [srv]), AREAL_EXPERIMENT="exp-b")
+        assert other["ok"], other
+        assert "its process" in srv.log() and "is gone" in srv.log()
+    finally:
+        owner.kill()
+        owner.wait()
+        srv.stop()

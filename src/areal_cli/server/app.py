@@ -18,6 +18,7 @@ and answers with the same status codes and reply shapes as SGLang 0.5.23
     POST /update_weight_version               {new_version, abort_all_requests}
     POST /init_weights_update_group /begin_weight_update /update_weights_from_distributed
          /end_weight_update /destroy_weights_update_group       (weight_update.py)
+    POST /release_weight_owner                beyond SGLang: see "one trainer" below
     GET|POST /flush_cache                     text
     POST /abort_request {rid, abort_all}      empty body
     GET  /v1/models, POST /v1/completions     vLLM/OpenAI subset
@@ -27,7 +28,9 @@ KEY`, as SGLang's middleware does (srt/utils/auth.py:96-103).
 
 Beyond SGLang: a pause ends by itself once no control request came for --pause-timeout
 seconds (none running either), so a trainer that dies mid-sync cannot leave the server
-paused for good (`PauseLease`).
+paused for good (`PauseLease`). And one trainer owns the weights at a time: a weight-control
+request carrying another trainer's X-Areal-Weight-Owner token is refused with 409, naming the
+owner (`WeightOwner`).
 """
 
 from __future__ import annotations
@@ -47,7 +50,13 @@ from areal_cli.server import protocol
 from areal_cli.server.batcher import Batcher
 from areal_cli.server.engine import Engine, GenRequest, GenResult
 from areal_cli.server.protocol import BodyError, ContractError, RequestError, field_of
-from areal_cli.server.weight_update import WeightUpdates
+from areal_cli.server.weight_update import (
+    OWNER_HEADER,
+    OWNER_NAME_HEADER,
+    OWNER_PROCESS_HEADER,
+    WeightOwner,
+    WeightUpdates,
+)
 
 log = logging.getLogger("areal.server")
 
@@ -71,6 +80,8 @@ CONTROL_PATHS = frozenset(
         "/abort_request",
     }
 )
+# What changes the served weights (or holds them still): one trainer's at a time.
+OWNED_PATHS = CONTROL_PATHS - {"/flush_cache", "/abort_request"}
 # One answer for every path a checkpoint cannot be loaded from: whether a path exists, can be
 # read or holds a checkpoint is nobody's business but the server owner's (its log says).
 DISK_UPDATE_FAILED = "Failed to update weights: no checkpoint this server can load at model_path."
@@ -133,6 +144,9 @@ class ServerState:
     weight_updates: int = 0
     updates: WeightUpdates | None = None
     lease: PauseLease | None = None
+    owner: WeightOwner = field(default_factory=WeightOwner)
+    # Tells a restarted server at the same address from the one a trainer synced before.
+    instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 STATE = web.AppKey("state", ServerState)
@@ -146,7 +160,7 @@ def build_app(state: ServerState) -> web.Application:
     if state.lease is None:
         state.lease = PauseLease(state.batcher, state.pause_timeout)
     app = web.Application(
-        middlewares=[_errors, _auth, _readiness, _lease], client_max_size=64 << 20
+        middlewares=[_errors, _auth, _readiness, _owner, _lease], client_max_size=64 << 20
     )
     app[STATE] = state
     r = app.router
@@ -167,6 +181,7 @@ def build_app(state: ServerState) -> web.Application:
     r.add_post("/begin_weight_update", begin_weight_update)
     r.add_post("/end_weight_update", end_weight_update)
     r.add_post("/update_weights_from_distributed", update_weights_from_distributed)
+    r.add_post("/release_weight_owner", release_weight_owner)
     r.add_post("/pause_generation", pause_generation)
     r.add_post("/continue_generation", continue_generation)
     r.add_get("/flush_cache", flush_cache)
@@ -233,6 +248,25 @@ async def _lease(request: web.Request, handler: Any) -> web.StreamResponse:
     finally:
         lease.busy -= 1
         lease.renew()
+
+
+@web.middleware
+async def _owner(request: web.Request, handler: Any) -> web.StreamResponse:
+    token = request.headers.get(OWNER_HEADER)
+    if token:
+        owner = request.app[STATE].owner
+        if request.path in OWNED_PATHS:
+            refusal = owner.claim(
+                token,
+                request.headers.get(OWNER_NAME_HEADER) or "an unnamed trainer",
+                request.headers.get(OWNER_PROCESS_HEADER) or "",
+            )
+            if refusal:
+                log.warning("refused %s: %s", request.path, refusal)
+                return web.json_response({"success": False, "message": refusal}, status=409)
+        else:
+            owner.renew(token)
+    return await handler(request)
 
 
 async def _json(request: web.Request) -> dict[str, Any]:
@@ -346,6 +380,8 @@ async def server_info(request: web.Request) -> web.Response:
             "internal_states": [{"batching": st.batcher.stats()}],
             "batching": st.batcher.stats(),
             "weight_update": st.updates.stats() if st.updates else None,
+            "weight_owner": st.owner.describe(),
+            "instance_id": st.instance_id,
             "frontend": "hf",
         }
     )
@@ -573,6 +609,15 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         load_format=field_of(body, "load_format", "str", None),
     )
     return _result(ok, message)
+
+
+async def release_weight_owner(request: web.Request) -> web.Response:
+    """Beyond SGLang: the owning trainer gives up its ownership (see WeightOwner)."""
+    await _json(request)
+    token = request.headers.get(OWNER_HEADER) or ""
+    if request.app[STATE].owner.release(token):
+        return _result(True, "Released the ownership of the weights.")
+    return _result(False, "This trainer does not own the weights.")
 
 
 # -- OpenAI / vLLM ---------------------------------------------------------------------------

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +37,83 @@ log = logging.getLogger("areal.server")
 # A request may describe at most this many times the served model's bytes: anything bigger
 # is refused before a single byte is received.
 MAX_REQUEST_OVER_MODEL = 2
+
+# Which trainer owns the weights: a token, a name for messages, and "host:pid" of its process.
+OWNER_HEADER = "X-Areal-Weight-Owner"
+OWNER_NAME_HEADER = "X-Areal-Weight-Owner-Name"
+OWNER_PROCESS_HEADER = "X-Areal-Weight-Owner-Process"
+# An owner that sent nothing for this long is gone (a trainer on another host that died).
+OWNER_TTL_S = 300.0
+
+
+class WeightOwner:
+    """One trainer owns the served weights at a time, so two trainers pointed at the same
+    servers cannot interleave their syncs (each closing the other's session, the weights
+    alternating under the same version labels).
+
+    A trainer's weight-control request carrying its token takes ownership when nobody holds
+    it; any request of the owner renews it; another token is refused at once, naming the
+    owner. Ownership ends when the owner releases it (its client closes), when its process
+    on this host is gone, or `ttl_s` after the owner's last request. Requests without a token
+    (SGLang's own clients, areal's resume of a dead trainer's pause) are not affected.
+    """
+
+    def __init__(self, ttl_s: float = OWNER_TTL_S):
+        self.ttl_s = ttl_s
+        self.token: str | None = None
+        self.name = ""
+        self.process = ""
+        self.since = 0.0
+        self.seen = 0.0
+
+    def claim(self, token: str, name: str, process: str) -> str | None:
+        """None when `token` owns the weights (now or already); else why it may not."""
+        now = time.monotonic()
+        if self.token is not None and self.token != token:
+            why = self._gone(now)
+            if why is None:
+                return (
+                    f"this server's weights belong to another trainer, {self.name}, since "
+                    f"{now - self.since:.0f}s (its last request {now - self.seen:.0f}s ago); "
+                    "stop that trainer or point this one at other servers"
+                )
+            log.warning("weights owner %s released: %s", self.name, why)
+        if self.token != token:
+            self.token, self.name, self.process, self.since = token, name, process, now
+            log.info("weights now owned by %s", name)
+        self.seen = now
+        return None
+
+    def renew(self, token: str) -> None:
+        if token == self.token:
+            self.seen = time.monotonic()
+
+    def release(self, token: str) -> bool:
+        if token != self.token:
+            return False
+        log.info("weights owner %s released its ownership", self.name)
+        self.token = None
+        return True
+
+    def describe(self) -> dict[str, Any] | None:
+        if self.token is None:
+            return None
+        now = time.monotonic()
+        return {"name": self.name, "since_s": round(now - self.since, 1),
+                "idle_s": round(now - self.seen, 1)}  # fmt: skip
+
+    def _gone(self, now: float) -> str | None:
+        if now - self.seen > self.ttl_s:
+            return f"no request for {now - self.seen:.0f}s"
+        host, _, pid = self.process.rpartition(":")
+        if host == socket.gethostname() and pid.isdigit():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                return f"its process {pid} is gone"
+            except OSError:  # alive, another user's
+                pass
+        return None
 
 
 @dataclass

@@ -40,7 +40,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
+import socket
 import time
+import uuid
 from collections.abc import Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -236,6 +239,9 @@ class RolloutClient:
         self._watchdog: asyncio.TimerHandle | None = None
         self._hung: dict[asyncio.Task, str] = {}  # tasks the watchdog cancelled, and why
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # Every request says which trainer sends it: a server of ours lets one trainer own
+        # its weights at a time (SGLang and vLLM ignore the headers).
+        self._headers.update(_owner_headers())
 
     # ------------------------------------------------------------------ plumbing
 
@@ -290,6 +296,11 @@ class RolloutClient:
         return self._own_loop.run_until_complete(coro)
 
     async def close(self) -> None:
+        """Also destroys the weight-update group a sync made and gives up the ownership of
+        the servers' weights, so a server keeps nothing of a trainer that finished."""
+        from areal_cli.worker import weights
+
+        await asyncio.to_thread(weights.release, self)
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
@@ -306,6 +317,9 @@ class RolloutClient:
             self._own_loop.close()
         self._own_loop = None
         self._watchdog = None  # a timer of the loop just closed
+        from areal_cli.worker import weights
+
+        weights.release(self)  # nothing left to do when close() ran
 
     async def __aenter__(self) -> RolloutClient:
         self._ensure_session()
@@ -468,8 +482,10 @@ class RolloutClient:
                         else None
                     )
                     error = _NotFound if resp.status == 404 else RolloutError
+                    answer = _answer(body)
                     raise error(
-                        f"{server.addr} rejected {method} {path}: HTTP {resp.status}",
+                        f"{server.addr} rejected {method} {path}: HTTP {resp.status}"
+                        + (f": {answer}" if answer else ""),
                         hint=hint,
                         detail=body,
                     )
@@ -751,6 +767,8 @@ class RolloutClient:
         `SyncError` naming the servers that failed by then, without waiting for the others
         (a survivor may be blocked on the failed one)."""
         self._ensure_session()
+        if not addrs:
+            return {}
         targets = {asyncio.ensure_future(call(self.server(a))): self.server(a) for a in addrs}
         done, pending = await asyncio.wait(targets, return_when=asyncio.FIRST_EXCEPTION)
         failed = {}
@@ -802,9 +820,8 @@ class RolloutClient:
                 )
             raise
         if isinstance(data, dict) and data.get("success") is False:
-            raise RolloutError(
-                f"{server.addr} failed {path}", detail=str(data.get("message") or data)
-            )
+            answer = str(data.get("message") or data)
+            raise RolloutError(f"{server.addr} failed {path}: {answer}", detail=answer)
         return data
 
     def pause_mode(self, mode: str | None) -> str:
@@ -996,10 +1013,51 @@ class SyncError(RolloutError):
     """A control call failed on some servers; `failed` maps each address to its error."""
 
     def __init__(self, what: str, failed: dict[str, BaseException]):
-        names = ", ".join(failed)
+        # Each server's answer in the message itself: a trainer's traceback shows no detail.
+        answers = "; ".join(f"{a}: {_short(getattr(e, 'message', None) or e)}"
+                            for a, e in failed.items())  # fmt: skip
         detail = "\n".join(f"  {a}: {getattr(e, 'message', None) or e}" for a, e in failed.items())
-        super().__init__(f"{what} failed on {names}", detail=detail)
+        super().__init__(f"{what} failed on {answers}", detail=detail)
         self.failed = failed
+
+
+def _short(text: Any, limit: int = 400) -> str:
+    text = str(text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _answer(body: str) -> str:
+    """What a server said in an error body: SGLang's {"message"}, {"error"}, or the text."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return _short(body.strip(), 300)
+    if isinstance(data, dict):
+        for key in ("message", "error", "detail"):
+            value = data.get(key)
+            if isinstance(value, dict):
+                value = value.get("message")
+            if value:
+                return _short(value, 300)
+    return _short(body.strip(), 300)
+
+
+# Made once per process: every client of one trainer process is the same owner.
+_OWNER_TOKEN = uuid.uuid4().hex
+
+
+def _owner_headers() -> dict[str, str]:
+    from areal_cli.server.weight_update import (
+        OWNER_HEADER,
+        OWNER_NAME_HEADER,
+        OWNER_PROCESS_HEADER,
+    )
+
+    host, pid = socket.gethostname(), os.getpid()
+    job = "/".join(filter(None, (os.environ.get("AREAL_EXPERIMENT"), os.environ.get("AREAL_TRIAL"))))
+    name = f"{job or 'a trainer'} (pid {pid} on {host})"
+    return {OWNER_HEADER: _OWNER_TOKEN, OWNER_NAME_HEADER: name,
+            OWNER_PROCESS_HEADER: f"{host}:{pid}"}  # fmt: skip
 
 
 def _version_tuple(raw: Any) -> tuple[int, ...] | None:

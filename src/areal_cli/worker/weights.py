@@ -19,13 +19,22 @@ sampling before the servers hold the new weights, and every rank raises if none 
 A server that dies or hangs during a sync does not stop it: the sync goes on with the
 servers that answer (a broken group is rebuilt without the server), rank 0 logs the one
 that did not, and the result says which server holds which version. The client stops
-sampling from a server that missed a sync until a later one reaches it.
+sampling from a server that missed a sync until a later one reaches it. A sync that fails
+resumes every server it paused that still answers, and raises naming each server with its
+answer; a server restarted at the same address (another instance id, or a group it no
+longer knows) gets a new group, and is not taken to hold our weights.
+
+One trainer owns a server's weights at a time (the hf server enforces it: another trainer's
+sync is refused at once, naming the owner). Closing the client, or the interpreter's exit,
+destroys its group on every server and gives the ownership up.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import copy
+import errno
 import json
 import logging
 import os
@@ -35,7 +44,7 @@ import threading
 import time
 import uuid
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -311,6 +320,7 @@ def _dir_bytes(path: Path) -> int:
 async def _reload(
     client: RolloutClient, path: Path, version: str | None, pause_mode: str | None
 ) -> dict[str, Any]:
+    _SYNCED.add(client)
     await client.pause(pause_mode)
     try:
         got = await client.update_weights_from_disk(str(path), version=version)
@@ -359,6 +369,9 @@ class _Transfer:
     vllm: bool = False
     dtype: str | None = None  # what the servers hold their weights in, when they say
     sent_meta: Any = None  # vLLM: the metadata its servers already hold
+    # Each server's instance id when the group was made: another one at the same address
+    # is a restarted server, which holds neither the group nor our weights.
+    instances: dict[str, Any] = field(default_factory=dict)
 
     def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         """Drop the group. Gloo's abort waits for a broadcast blocked on a hung peer (up to
@@ -373,6 +386,66 @@ class _Transfer:
 
 # One group per client, made by the first distributed sync and reused by the next ones.
 _TRANSFERS: weakref.WeakKeyDictionary[Any, _Transfer] = weakref.WeakKeyDictionary()
+# Clients that synced: at their close (or the interpreter's exit) their group is destroyed
+# and the ownership of the servers' weights given up.
+_SYNCED: weakref.WeakSet[Any] = weakref.WeakSet()
+RELEASE_TIMEOUT_S = 5.0
+
+
+def release(client: RolloutClient) -> None:
+    """Destroy `client`'s weight-update group on both ends and give up the ownership of its
+    servers' weights: a server keeps no group, socket or owner of a trainer that finished.
+    Blocking, best effort, a few seconds at most (plain HTTP: the client's event loop may be
+    closed by now)."""
+    if client not in _SYNCED:
+        return
+    _SYNCED.discard(client)
+    transfer = _TRANSFERS.pop(client, None)
+    destroy: list[tuple[str, str, dict]] = []
+    if transfer is not None:
+        for addr in transfer.servers:
+            if transfer.vllm:
+                destroy.append((addr, "/shutdown_weight_transfer_engine", {}))
+            else:
+                destroy.append(
+                    (addr, "/destroy_weights_update_group", {"group_name": transfer.name})
+                )
+    # After the groups are gone: a request about the group would take ownership again.
+    give_up = (
+        []
+        if client.backend == "vllm"
+        else [(addr, "/release_weight_owner", {}) for addr in client.servers]
+    )
+    from concurrent.futures import ThreadPoolExecutor
+
+    headers = {"Content-Type": "application/json", **client._headers}
+    for calls in (destroy, give_up):
+        if calls:
+            with ThreadPoolExecutor(max_workers=min(16, len(calls))) as pool:
+                list(pool.map(lambda c: _post_quietly(*c, headers), calls))
+        if calls is destroy and transfer is not None:
+            transfer.close()  # our end last: the servers' ends are gone, nobody waits on it
+
+
+def _post_quietly(addr: str, path: str, body: dict, headers: dict[str, str]) -> None:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://{addr}{path}", json.dumps(body).encode(), headers)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        opener.open(req, timeout=RELEASE_TIMEOUT_S).close()
+    except (OSError, ValueError):  # gone already, or a route this server does not have
+        pass
+
+
+@atexit.register
+def _release_all() -> None:
+    for client in list(_SYNCED):
+        try:
+            release(client)
+        except Exception:  # the interpreter is going away: never fail its exit
+            pass
 
 
 def _in_thread(fn: Any, *args: Any) -> asyncio.Future:
@@ -438,6 +511,8 @@ async def _send(
     from areal_cli.worker.rollout import SyncError
 
     failed: dict[str, BaseException] = {}
+    rebuilt: set[str] = set()
+    _SYNCED.add(client)
     while True:
         try:
             transfer = await _ensure_transfer(client, timeout, exclude=set(failed))
@@ -447,6 +522,14 @@ async def _send(
                 client, transfer, tensors, version, pause_mode, bucket_bytes, timeout, flatten
             )
         except SyncError as e:  # some servers failed: the others keep their old weights
+            lost = {a for a, x in e.failed.items() if _lost_group(x)} - rebuilt
+            if lost and lost == set(e.failed):
+                # A server that no longer knows our group was restarted (SGLang reports no
+                # instance id): its weights are not ours. Once more, with a new group.
+                for a in lost:
+                    _restarted(client, a, "it no longer knows the weight-update group")
+                rebuilt |= lost
+                continue
             failed.update(e.failed)
             if not [s for s in client._reachable() if s.addr not in failed]:
                 raise SyncError("weight sync", failed) from None
@@ -462,6 +545,40 @@ async def _send(
 
 def _why(e: BaseException) -> str:
     return getattr(e, "message", None) or str(e) or type(e).__name__
+
+
+def _lost_group(e: BaseException) -> bool:
+    # SGLang's answer for a group it does not have (weight_updater.py), which the hf server
+    # gives too.
+    return "init_weights_update_group` first" in str(getattr(e, "detail", None) or "") + str(e)
+
+
+def _restarted(client: RolloutClient, addr: str, why: str) -> None:
+    log.warning("%s was restarted since the last weight sync (%s): it holds its own weights "
+                "again, not the trainer's", addr, why)  # fmt: skip
+    server = client.server(addr)
+    server.weight_version = None
+    server.stale = True  # until a sync reaches it
+
+
+def _not_answering(e: BaseException) -> set[str]:
+    """The servers of a failed step that gave no answer at all (refused, reset, hung):
+    asking them anything more now only costs time."""
+    from areal_cli.worker.rollout import SyncError, _Retryable
+
+    if not isinstance(e, SyncError):
+        return set()
+    return {a for a, x in e.failed.items() if isinstance(x, _Retryable) and x.status is None}
+
+
+def _owned_elsewhere(e: BaseException) -> set[str]:
+    """The servers that refused a step because another trainer owns their weights: their
+    pause, if any, is that trainer's to end."""
+    from areal_cli.worker.rollout import SyncError
+
+    if not isinstance(e, SyncError):
+        return set()
+    return {a for a, x in e.failed.items() if "HTTP 409" in str(x)}
 
 
 async def _send_once(
@@ -487,10 +604,13 @@ async def _send_once(
         else:
             await _send_sglang(client, transfer, tensors, version, bucket_bytes, timeout, flatten)
     except BaseException as e:
-        bad = set(e.failed) if isinstance(e, SyncError) else set()
-        await _abandon(client, transfer, skip=bad)
+        # Every server this sync paused is resumed, one that refused the update included (it
+        # answered: it serves on, with its old weights); not one that does not answer, nor
+        # one another trainer owns.
+        leave = _not_answering(e) | _owned_elsewhere(e)
+        await _abandon(client, transfer, skip=leave)
         try:
-            await client.resume([a for a in servers if a not in bad])
+            await client.resume([a for a in servers if a not in leave])
         except SyncError:
             pass
         raise
@@ -676,8 +796,8 @@ async def _ensure_transfer(
     if not candidates:
         raise client._no_server_error("weight sync")
     old = _TRANSFERS.get(client)
-    if old is not None and old.servers == candidates and old.group is not None:
-        return old
+    # Asked at every sync (one GET each): a server restarted at the same address is only
+    # known by its new instance id.
     infos: dict[str, dict] = {}
 
     async def info(s: Any) -> None:
@@ -693,8 +813,13 @@ async def _ensure_transfer(
     if not servers:
         raise client._no_server_error("weight sync")
 
-    if old is not None and old.servers == servers and old.group is not None:
-        return old
+    if old is not None:
+        restarted = [a for a in servers if a in old.instances
+                     and infos[a].get("instance_id") != old.instances[a]]  # fmt: skip
+        for a in restarted:
+            _restarted(client, a, "it reports another server instance")
+        if old.servers == servers and old.group is not None and not restarted:
+            return old
     if old is not None:
         await _abandon(client, old)
 
@@ -712,6 +837,7 @@ async def _ensure_transfer(
         world_size=world,
         vllm=vllm,
         dtype=_serving_dtype(infos, servers),
+        instances={a: infos[a].get("instance_id") for a in servers},
     )
     if vllm:
         await _init_vllm(client, transfer, master, offsets, timeout)
@@ -728,7 +854,8 @@ async def _init_sglang(
 ) -> None:
     from areal_cli.server import weight_group
 
-    store = weight_group.listen(master, transfer.world_size, timeout)
+    with _ports_named():
+        store = weight_group.listen(master, transfer.world_size, timeout)
     port = store.port
 
     def body(addr: str) -> dict:
@@ -749,16 +876,56 @@ async def _init_sglang(
     )  # fmt: skip
 
     def join() -> Any:
-        transfer.group = weight_group.join(
-            master_address=master, master_port=port, rank=0, world_size=transfer.world_size,
-            group_name=transfer.name, backend=transfer.backend, timeout_s=timeout, store=store,
-        )  # fmt: skip
+        with _ports_named():
+            transfer.group = weight_group.join(
+                master_address=master, master_port=port, rank=0, world_size=transfer.world_size,
+                group_name=transfer.name, backend=transfer.backend, timeout_s=timeout,
+                store=store,
+            )  # fmt: skip
 
     try:
         await _together(http, join)
     except BaseException:
         await _abandon(client, transfer)
         raise
+
+
+class _ports_named:
+    """Turns torch's raw EADDRINUSE (no local port left to listen on or connect from) into
+    an error that says what ran out and what to do."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, e: BaseException | None, tb: Any) -> bool:
+        if e is None or not isinstance(e, Exception):
+            return False
+        text = str(e)
+        if (
+            getattr(e, "errno", None) != errno.EADDRINUSE
+            and "EADDRINUSE" not in text
+            and ("address already in use" not in text.lower())
+        ):
+            return False
+        from areal_cli.worker.rollout import RolloutError
+
+        low, high = _port_range()
+        raise RolloutError(
+            "weight sync: no local port is free for the weight-update group (EADDRINUSE): "
+            f"this host's ephemeral ports ({low}-{high}) are used up",
+            hint="close what holds them (`ss -tan | wc -l`; many TIME-WAIT sockets clear "
+            "within a minute), widen net.ipv4.ip_local_port_range, or sync with "
+            "method='disk', which needs no port",
+            detail=text.strip().splitlines()[0] if text.strip() else None,
+        ) from e
+
+
+def _port_range() -> tuple[str, str]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return low, high
+    except (OSError, ValueError):
+        return "?", "?"
 
 
 class _VllmGroup:
