@@ -139,6 +139,16 @@ def test_a_stop_from_areal_outranks_what_the_stopped_ranks_say():
     assert [e.kind for e in rep.secondary] == ["signal"]
 
 
+def test_a_job_the_watchdog_ended_is_a_hang_not_the_signals_of_its_teardown():
+    recs = why.record_events("failed", "watchdog: mismatched_collective: rank 1 never joined")
+    lines = ["stopping: SIGTERM", "torch.distributed.elastic.multiprocessing.api.SignalException"
+             ": Process 12 got signal: 15"]  # fmt: skip
+    rep = why.analyze([*recs, *why.parse_log("torchrun", lines)])
+    assert (rep.root.kind, rep.root.source) == ("hang", "job record")
+    assert rep.root.message == "mismatched_collective: rank 1 never joined"
+    assert "watchdog" in rep.root.sender and "--role watchdog" in rep.root.hint
+
+
 def test_a_server_that_died_is_the_root_of_the_ranks_lost_connections():
     recs = why.record_events("failed", "rank-0 failed", [("server-0", -9), ("server-1", 0)])
     lines = ["Traceback (most recent call last):",

@@ -11,7 +11,8 @@ testable from recorded text.
     report = analyze(events)                     # root cause first, the rest secondary
 
 Kinds: python_exception, cpu_oom, cuda_oom, oom_killer, collective_mismatch,
-collective_timeout, connection_lost, signal, server_died, native_abort, and the purely
+collective_timeout, connection_lost, signal, server_died, native_abort, hang (the
+watchdog ended a job that stopped progressing), and the purely
 secondary child_failed (torchrun), launcher_failed (AReaL's JobException) and
 teardown_warning (ProcessGroupNCCL at exit).
 """
@@ -599,7 +600,14 @@ def record_events(
     msg = (message or "").strip()
     low = msg.lower()
     sender = None
-    if "areal stop" in low:
+    if low.startswith("watchdog:"):
+        # --watchdog-action fail ended a job that stopped progressing: that stall is the
+        # cause, the teardown's signals follow from it.
+        out.append(Event("hang", msg.split(":", 1)[1].strip(), "job record", time=time,
+                         sender="the watchdog (--watchdog-action fail)", order=(-1, 0),
+                         hint="the watchdog's bundle (verdict, stacks) is in the job's log "
+                         "folder; `areal logs E/T --role watchdog` shows its verdict"))  # fmt: skip
+    elif "areal stop" in low:
         sender = "areal stop"
     elif state == "cancelled":
         sender = "Slurm cancel (scancel)"
@@ -624,7 +632,7 @@ def record_events(
 # -- the verdict ------------------------------------------------------------------------------
 
 # Who stops a whole job from outside outranks what its ranks say while they are stopped.
-_EXTERNAL = ("areal stop", "Slurm", "Ctrl-C", "SIGTERM to areal")
+_EXTERNAL = ("areal stop", "Slurm", "Ctrl-C", "SIGTERM to areal", "the watchdog")
 
 
 def analyze(events: Sequence[Event], kernel: Kernel | None = None) -> Report:
@@ -643,9 +651,10 @@ def analyze(events: Sequence[Event], kernel: Kernel | None = None) -> Report:
             e.kind = "server_died"  # a server's own crash: the ranks only lost their server
     if not events:
         return Report(None, [])
-    external = [e for e in events if e.kind == "signal" and e.sender
+    external = [e for e in events if e.kind in ("signal", "hang") and e.sender
                 and e.sender.startswith(_EXTERNAL)]  # fmt: skip
-    primary = [e for e in events if not e.secondary_kind and e.kind != "signal"]
+    primary = [e for e in events if not e.secondary_kind and e.kind != "signal"
+               and e not in external]  # fmt: skip
     signals = [e for e in events if e.kind == "signal" and e not in external]
     named = next((e.names_rank for e in events if e.names_rank is not None), None)
 
