@@ -741,7 +741,7 @@ def _why_job(name: str, kind: str | None, home: str | None, kernel):
             f"job {name} is still {st.state}",
             hint=f"a job that hangs: areal doctor hang --job {name}",
         )
-    servers = [(f"server-{i}", s.exit_code) for i, s in enumerate(st.servers)]
+    servers = [(f"server-{i}", s.exit_code, s.addr) for i, s in enumerate(st.servers)]
     records = why.record_events(st.state, st.message, servers, time=None)
     return why.diagnose_dir(st.log_dir, records=records, kernel=kernel)
 

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import time
 
-from tests.helpers import AREAL, REPO, areal
+from tests.helpers import AREAL, REPO, areal, fake_serve_args
 
 SCRIPT = str(REPO / "tests" / "fixtures" / "scripts" / "die.py")
 RAISE_LINE = next(i for i, x in enumerate(open(SCRIPT), 1) if "raise ValueError" in x)
@@ -88,6 +88,22 @@ def test_a_rank_out_of_cpu_memory_points_to_doctor_memory(tmp_path):
     assert (root["rank"], root["kind"]) == (1, "cpu_oom")
     assert "DefaultCPUAllocator: can't allocate memory" in root["message"]
     assert root["where"].startswith(SCRIPT) and "areal doctor memory" in root["hint"]
+
+
+def test_a_server_killed_is_server_died(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    pids = tmp_path / "pids"
+    env = {"FAKE_SERVER_PIDFILE": str(pids)}
+    areal(*fake_serve_args(model, "--alloc", "hf:d1", "--detach"), env=env, check=0)
+    os.kill(int(pids.read_text().split()[0]), signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while json.loads(areal("ps", "--all", "--json", check=0).stdout)[0]["state"] != "failed":
+        assert time.monotonic() < deadline, "the serving job never ended"
+        time.sleep(0.2)
+    root = why()["root_cause"]
+    assert (root["kind"], root["source"], root["exit_code"]) == ("server_died", "server-0", 137)
+    assert "killed by SIGKILL" in root["message"] and root["path"].endswith("server-0.log")
 
 
 def test_areal_stop_mid_run_is_the_root(tmp_path):

@@ -45,9 +45,6 @@ HANG_HINT = (
 
 _PREFIX = re.compile(r"^\[(?:default|rank)(\d+)\]:\s?")
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (.+)$')
-_EXC = re.compile(
-    r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Failure|Timeout)\w*)(?::\s?(.*))?$"
-)
 _CHAIN = ("During handling of the above exception", "The above exception was the direct cause")
 _TERMINATE = re.compile(r"terminate called after throwing an instance of '([^']+)'")
 _WHAT = re.compile(r"^\s*what\(\):\s*(.*)$")
@@ -198,7 +195,7 @@ def classify(messages: Sequence[str], frames: Sequence[tuple[str, int, str]] = (
         return "child_failed"
     if re.search(r"\bJobException\b", text):
         return "launcher_failed"
-    if "signalexception" in low or re.search(r"got signal: \d+", low):
+    if "signalexception" in low or re.search(r"got signal: \d+|\bkeyboardinterrupt\b", low):
         return "signal"
     if re.search(r"timed out|timeout|watchdog caught", low) and _collective(low, frames):
         return "collective_timeout"
@@ -220,7 +217,7 @@ def _collective(low: str, frames) -> bool:
         or "nccl" in low
         or "distbackenderror" in low
         or "diststoreerror" in low
-        or "work" in low
+        or "worknccl" in low
     )
 
 
@@ -361,14 +358,10 @@ def _traceback(source, rank, stream, i) -> tuple[Event | None, int]:
     if not messages:
         return None, i
     kind = classify(messages, frames)
-    last = messages[-1]
-    m = _EXC.match(last)
-    exc_name = m.group(1) if m else last.split(":")[0]
-    message = last if m else last
     uf = user_frame(frames)
     ev = Event(
         kind=kind,
-        message=_shorten(message) or exc_name,
+        message=_shorten(messages[-1]),
         source=source,
         rank=rank,
         where=f"{uf[0]}:{uf[1]}" if uf else None,
@@ -591,11 +584,11 @@ def _cgroup_memory_files() -> list[str]:
 def record_events(
     state: str | None,
     message: str | None,
-    servers: Sequence[tuple[str, int | None]] = (),
+    servers: Sequence[tuple] = (),
     time: float | None = None,
 ) -> list[Event]:
     """What a job record says: who stopped the job (areal stop, Ctrl-C, Slurm), and which
-    server exited. `servers`: (label, exit code)."""
+    server exited. `servers`: (label, exit code[, address])."""
     out: list[Event] = []
     msg = (message or "").strip()
     low = msg.lower()
@@ -622,9 +615,10 @@ def record_events(
     if sender is not None and state in ("stopped", "cancelled", "killed", "failed"):
         out.append(Event("signal", msg or state or "stopped", "job record", time=time,
                          sender=sender, order=(-1, 0)))  # fmt: skip
-    for label, code in servers:
+    for label, code, *addr in servers:
         if code not in (None, 0, -15, 143):
-            out.append(Event("server_died", f"{label} exited ({describe_code(code)})",
+            at = f" at {addr[0]}" if addr and addr[0] else ""
+            out.append(Event("server_died", f"{label}{at} exited ({describe_code(code)})",
                              label, exit_code=code, order=(-1, 1)))  # fmt: skip
     return out
 
@@ -813,6 +807,8 @@ def diagnose_dir(
     from areal_cli import logfiles
 
     logs = [*logfiles.select_logs(Path(log_dir)).items(), *extra]
+    for e in records:
+        e.path = e.path or next((str(p) for label, p in logs if label == e.source), None)
     rep = analyze([*records, *parse_files(logs)], kernel)
     rep.sources = [str(p) for _, p in logs]
     return rep
