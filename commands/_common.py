@@ -81,23 +81,52 @@ def check_name(kind: str, value: str) -> str:
     return value
 
 
+# A job YAML is a few hundred bytes; even libyaml takes about a second per megabyte.
+CONFIG_MAX_BYTES = 256 << 10
+
+
 def load_config(path: Path | None, schema: dict[str, str]) -> dict[str, Any]:
     """A job YAML whose keys are the command's long flags (dashes or underscores).
 
     `schema` maps each key to its kind: str, int, posint, port, float, bool or list. Values
     are checked here, so a bad one is a usage error naming the key, never a traceback later.
+    Files over CONFIG_MAX_BYTES are refused before parsing: a job YAML is never that big, and
+    parsing one takes seconds per megabyte.
     """
     if path is None:
         return {}
     import yaml
 
-    if not path.is_file():
+    if not path.exists():
         raise UsageError(f"config file {path} does not exist")
+    if not path.is_file():
+        raise UsageError(f"config file {path} is not a regular file")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
+        with open(path, "rb") as f:
+            raw = f.read(CONFIG_MAX_BYTES + 1)
+    except OSError as e:
+        raise UsageError(f"cannot read config file {path}: {e.strerror or e}") from None
+    if len(raw) > CONFIG_MAX_BYTES:
+        raise UsageError(
+            f"config file {path} is larger than {CONFIG_MAX_BYTES >> 10} KiB",
+            hint="a job YAML holds flags (a few lines); keep data in files it names",
+        )
+    # libyaml when PyYAML has it: several times faster, and it refuses nesting deeper than
+    # 1000 levels itself (the pure-Python composer recurses into a RecursionError).
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    try:
+        data = yaml.load(raw, Loader=loader) or {}
+    except (yaml.YAMLError, RecursionError) as e:
         mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark else ""
+        line = mark.line + 1 if mark else None
+        if isinstance(e, RecursionError) or "nesting depth" in str(e):
+            key = _top_key(raw, line)
+            where = (f" under key {key!r}" if key else "") + (f" (line {line})" if line else "")
+            raise UsageError(
+                f"config file {path} nests lists or mappings too deeply to read{where}",
+                hint="a job YAML maps flags to plain values or flat lists",
+            ) from None
+        where = f" (line {line})" if line else ""
         raise UsageError(f"config file {path} is not valid YAML{where}") from None
     if not isinstance(data, dict):
         raise UsageError(f"config file {path} must hold a mapping of flag: value")
@@ -106,7 +135,7 @@ def load_config(path: Path | None, schema: dict[str, str]) -> dict[str, Any]:
         key = str(k).replace("-", "_")
         if key not in schema:
             raise UsageError(
-                f"config file {path}: unknown key {k!r}",
+                f"config file {path}: unknown key {_short_repr(k)}",
                 hint="known keys: " + ", ".join(sorted(schema)),
             )
         if v is not None:
@@ -120,7 +149,9 @@ def _convert(path: Path, key: str, v: Any, kind: str) -> Any:
             "posint": "an integer >= 1", "port": "a port (1-65535)", "list": "a list",
             "posfloat": "a number > 0", "nonneg": "a number >= 0",
         }  # fmt: skip
-        return UsageError(f"config file {path}: {key} is {v!r}, not {want.get(kind, 'a ' + kind)}")
+        return UsageError(
+            f"config file {path}: {key} is {_short_repr(v)}, not {want.get(kind, 'a ' + kind)}"
+        )
 
     if kind == "list":
         if not isinstance(v, list) or any(isinstance(x, (dict, list)) for x in v):
@@ -136,9 +167,11 @@ def _convert(path: Path, key: str, v: Any, kind: str) -> Any:
         return str(v)
     if isinstance(v, bool):
         raise bad()
+    if isinstance(v, (dict, list, set, tuple, bytes)):
+        raise bad()
     try:
         num = float(v) if kind in ("float", "posfloat", "nonneg") else int(str(v))
-    except ValueError:
+    except (ValueError, TypeError, OverflowError):
         raise bad() from None
     import math
 
@@ -149,6 +182,33 @@ def _convert(path: Path, key: str, v: Any, kind: str) -> Any:
     if (kind == "posfloat" and num <= 0) or (kind == "nonneg" and num < 0):
         raise bad()
     return num
+
+
+def _top_key(raw: bytes, line: int | None) -> str | None:
+    """The top-level key whose value holds `line` (the last unindented `key:` at or above
+    it); without a line, the first such key."""
+    import re
+
+    key = None
+    for n, text in enumerate(raw.splitlines(), 1):
+        if line is not None and n > line:
+            break
+        m = re.match(rb"([^\s#:\-?][^:]*?):(\s|$)", text)
+        if m:
+            key = m.group(1).decode(errors="replace").strip("'\"")
+            if line is None:
+                break
+    return key
+
+
+def _short_repr(v: Any) -> str:
+    """A value as the user wrote it, cut short: a value may be a huge or self-referencing
+    structure (YAML anchors), whose full repr would be the problem again."""
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel, r.maxlist, r.maxdict, r.maxstring, r.maxother = 3, 4, 4, 60, 60
+    return r.repr(v)
 
 
 def job_names(experiment, trial, config: dict) -> tuple[str, str]:
