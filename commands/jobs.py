@@ -188,6 +188,7 @@ def stop(
     json_out: bool = JsonOpt,
 ) -> None:
     from areal_cli import schedulers
+    from areal_cli.errors import WaitTimeout
     from areal_cli.schedulers.api import LIVE
 
     if all_ == bool(name):
@@ -224,16 +225,25 @@ def stop(
             results.append(sched.cancel(handle, timeout).to_json())
     if json_out:
         console.print_json(results)
-        return
-    if not results:
-        console.out.print("nothing to stop")
-    for r in results:
-        verb = "stopped" if r["was_running"] else "was not running; cleaned up"
-        what = f"{r['killed']} leftover process(es) killed"
-        if r.get("cancelled"):
-            what = f"{r['cancelled']} cancelled"
-        console.out.print(f"[green]{r['name']}[/] {verb} ({what}, "
-                          f"{r['deregistered']} registry entries removed)")  # fmt: skip
+    else:
+        if not results:
+            console.out.print("nothing to stop")
+        for r in results:
+            verb = "stopped" if r["was_running"] else "was not running; cleaned up"
+            what = f"{r['killed']} leftover process(es) killed"
+            if r.get("cancelled"):
+                what = f"{r['cancelled']} cancelled"
+            console.out.print(f"[green]{r['name']}[/] {verb} ({what}, "
+                              f"{r['deregistered']} registry entries removed)")  # fmt: skip
+            for why in r.get("left") or ():
+                console.err.print(f"[yellow]left[/] {r['name']}: {why}")
+    # Entries a registry kept expire by themselves; a process that outlived SIGKILL does not.
+    running = [r["name"] for r in results if r.get("running")]
+    if running:
+        raise WaitTimeout(
+            f"{', '.join(running)}: not every process stopped (see above)",
+            hint="a process stuck in the kernel (state D) goes when its I/O returns",
+        )
 
 
 def _age(started: float) -> str:

@@ -1,7 +1,9 @@
 """Finding inference servers for a training job: the registry (waiting for them) or a list.
 
-Only servers we may trust get the job's API key: those whose registry metadata says the job
-that holds the key started them. Probing honours the caller's deadline: many probes run at
+Only servers we may trust get the job's API key: those whose registry entry is signed, for
+the address it names and within its TTL, with the key of the job that holds it (see apikeys):
+anyone who can write the registry (every user of an etcd without auth) can copy an entry, and
+a copy pointing at their own server is left out before a single request carries the key. Probing honours the caller's deadline: many probes run at
 once, each bounded by the time that is left.
 
 A paused server would hold every request of a new trainer forever. When no trainer of the
@@ -101,8 +103,11 @@ def from_registry(
     deadline = time.monotonic() + wait
     delay = 0.05
     while True:
-        entries = _unique(registry.list(experiment, trial).servers)
-        usable, key, skipped = trusted(home, entries)
+        # Proven first, one per address after: a forged entry naming our server's address
+        # must not push the real one out.
+        usable, key, skipped = trusted(home, registry.list(experiment, trial).servers)
+        usable = _unique(usable)
+        skipped = [(addr, why) for addr, why in skipped if addr not in {e.addr for e in usable}]
         # At least a short round even when the wait is over (--wait-servers 0 still looks).
         # A round is long enough for SGLang's /health (health.PROBE_TIMEOUT: it takes 1 s).
         round_end = max(deadline, time.monotonic() + PROBE_TIMEOUT)
@@ -196,28 +201,32 @@ def trusted(
 ) -> tuple[list[ServerEntry], str | None, list[tuple[str, str]]]:
     """(servers to use, the key for them, servers left out with the reason).
 
-    A key goes only to the servers of the job that stored it (same marker). When some
-    servers need a key, the servers of one such job are used and every other server is
-    left out: it would receive a key that is not its own."""
+    A key goes only to the servers of the job that stored it (same marker) whose entries
+    prove it with a fresh signature under that key. When some servers need a key, the
+    servers of one such job are used and every other server is left out: it would receive
+    a key that is not its own."""
     keyed = [e for e in entries if e.api_key_required]
     if not keyed:
         return entries, None, []
-    use: list[ServerEntry] = []
-    key = None
+    key = marker = None
     for e in keyed:
         if not e.job or "/" not in e.job:
             continue
         held = apikeys.load(apikeys.key_file(home, *e.job.split("/", 1)))
         if held and held[0] == e.marker:
-            key = held[1]
-            use = [x for x in keyed if x.marker == e.marker]
+            marker, key = held
             break
     if key is None:
         plain = [e for e in entries if not e.api_key_required]
         return plain, None, [(e.addr, "needs an API key this user does not hold") for e in keyed]
-    skipped = [
-        (e.addr, "not started by the job whose API key the others need")
-        for e in entries
-        if e not in use
-    ]
+    use: list[ServerEntry] = []
+    skipped: list[tuple[str, str]] = []
+    now = time.time()
+    for e in entries:
+        if not (e.api_key_required and e.marker == marker):
+            skipped.append((e.addr, "not started by the job whose API key the others need"))
+        elif why := apikeys.unproven(key, e, now):
+            skipped.append((e.addr, why))
+        else:
+            use.append(e)
     return use, key, skipped

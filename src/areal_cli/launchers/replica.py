@@ -42,6 +42,8 @@ PORT_TOKEN = "{port}"  # in argv, replaced by the port chosen on the node
 UNHEALTHY_AFTER = 2
 # The first generation may still compile or warm kernels on a CPU build.
 FIRST_REQUEST_TIMEOUT = 180.0
+# Seconds a stopping runner waits for its deregistration before it stops the server anyway.
+DEREGISTER_WAIT = 1.0
 
 
 class Replica:
@@ -225,7 +227,10 @@ class Replica:
         from areal_cli.errors import UsageError
 
         try:
-            self.registry.register(self.entry, ttl=self.ttl)
+            # Signed with the job's key: discovery hands the key only to entries it signed.
+            if not self._unless_stopped(self.registry.register, self.entry, ttl=self.ttl,
+                                        sign_with=self.key):  # fmt: skip
+                return False
         except Exception as e:
             self.say(f"cannot register {self.entry.addr} in {self.registry.url}: {_why(e)}")
             return None if isinstance(e, UsageError) else False
@@ -240,8 +245,8 @@ class Replica:
         while True:
             code = self.server.poll()
             if code is not None:
-                self._deregister()
-                self.say(f"server exited ({_describe(code)}); deregistered")
+                out = "deregistered" if self._leave() else "its entry is left to expire"
+                self.say(f"server exited ({_describe(code)}); {out}")
                 return _code(code)
             self.changed.wait(interval)
             self.changed.clear()
@@ -261,7 +266,7 @@ class Replica:
             if not ok:
                 bad += 1
                 if listed and bad >= UNHEALTHY_AFTER:
-                    self._deregister()
+                    self._leave()
                     listed, dropped = False, True
                     self.say("server stopped answering /health; taken out of discovery")
                 continue
@@ -272,7 +277,9 @@ class Replica:
                 dropped = dropped and not listed
                 continue
             try:
-                self.registry.keepalive(self.entry)
+                if not self._unless_stopped(self.registry.keepalive, self.entry,
+                                            sign_with=self.key):  # fmt: skip
+                    continue  # a stop came first
                 if failed_renewals:
                     self.say(f"renewal works again after {failed_renewals} failure(s)")
                 failed_renewals = 0
@@ -291,18 +298,53 @@ class Replica:
         backend = self.p.get("backend") or "sglang"
         return control.paused(f"{_connect_host(host)}:{port}", backend, self.key, timeout) is True
 
-    def _deregister(self) -> None:
+    def _unless_stopped(self, fn, *args, **kwargs) -> bool:
+        """A registry call that a stop does not wait for: a registry that does not answer
+        (etcd stopped, a network partition) holds a request for its whole timeout, and the
+        server must go when it is asked to, not seconds later. False: given up for a stop."""
+        failed: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                fn(*args, **kwargs)
+            except BaseException as e:
+                failed.append(e)
+
+        t = threading.Thread(target=call, daemon=True)
+        t.start()
+        while t.is_alive() and not self.stop.is_set():
+            t.join(0.1)
+        if failed:
+            raise failed[0]
+        return not t.is_alive()
+
+    def _leave(self) -> bool:
+        """Deregister; once a stop is asked for, wait at most DEREGISTER_WAIT more for it.
+        True when the entry is out."""
+        done: list[bool] = []
+        t = threading.Thread(target=lambda: done.append(self._deregister()), daemon=True)
+        t.start()
+        while t.is_alive() and not self.stop.is_set():
+            t.join(0.1)
+        t.join(DEREGISTER_WAIT)
+        return done == [True]
+
+    def _deregister(self) -> bool:
         if self.entry is None:
-            return
+            return True
         try:
             self.registry.deregister(
                 self.entry.experiment, self.entry.trial, self.entry.id, self.entry.lease
             )
+            return True
         except Exception as e:
             self.say(f"cannot deregister {self.entry.addr}: {_why(e)}")
+            return False
 
     def _shutdown(self) -> int:
-        self._deregister()
+        # Out of discovery before the server goes, but a registry that does not answer must
+        # not keep it running: its lease (or heartbeat) runs out without us.
+        self._leave()
         server = self.server
         if server is None:
             return 0

@@ -25,7 +25,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field, fields
 
-from areal_cli import settings
+from areal_cli import apikeys, settings
 
 SERVERS_KEY = "gen_servers"
 OWN_KEY = "areal"
@@ -58,6 +58,8 @@ class ServerEntry:
     scheduler_job_id: str | None = None  # Slurm job id (and step) when run by Slurm
     node: str | None = None
     lease: str | None = None  # the backend's lease, when it has real ones (etcd)
+    # HMAC of the entry under its job's API key, renewed with the heartbeat (apikeys.sign).
+    signature: str | None = None
     # False for entries without our metadata (e.g. registered by AReaL itself).
     managed: bool = True
 
@@ -161,7 +163,9 @@ class Registry(ABC):
         """Every value under `prefix/` (a whole key segment), by full key."""
 
     @abstractmethod
-    def _delete(self, key: str) -> None: ...
+    def _delete(self, key: str) -> bool:
+        """Remove `key`: True when it was there, False when it was gone already; raises
+        when it cannot be removed (a read-only registry, one that does not answer)."""
 
     def _grant(self, ttl: float) -> str | None:
         """A lease of `ttl` seconds, or None where the reader judges heartbeats instead."""
@@ -210,43 +214,53 @@ class Registry(ABC):
     def _trial_key(self, experiment: str, trial: str) -> str:
         return f"{self.user}/{experiment}/{trial}"
 
-    def register(self, entry: ServerEntry, ttl: float = DEFAULT_TTL) -> None:
-        """Publish a server under a lease of `ttl` seconds; renew with `keepalive`."""
+    def register(
+        self, entry: ServerEntry, ttl: float = DEFAULT_TTL, sign_with: str | None = None
+    ) -> None:
+        """Publish a server under a lease of `ttl` seconds; renew with `keepalive`. With
+        `sign_with` (the job's API key) the metadata carries its signature (apikeys.sign)."""
         now = time.time()
         entry.started = entry.started or now
         entry.heartbeat, entry.ttl = now, ttl
         entry.lease = self._grant(ttl)
+        if sign_with:
+            entry.signature = apikeys.sign(sign_with, entry)
         base = self._trial_key(entry.experiment, entry.trial)
         # Metadata first: a reader that sees the address can always find its metadata.
         self._put(f"{base}/{OWN_KEY}/servers/{entry.id}", json.dumps(entry.to_json()), entry.lease)
         self._put(f"{base}/{SERVERS_KEY}/{entry.id}", entry.addr, entry.lease)
 
-    def keepalive(self, entry: ServerEntry, **updates) -> None:
-        """Renew the entry's lease; `updates` change fields of its metadata too."""
+    def keepalive(self, entry: ServerEntry, sign_with: str | None = None, **updates) -> None:
+        """Renew the entry's lease; `updates` change fields of its metadata too. A signed
+        entry is signed afresh: readers take a signature older than the TTL for a replay."""
         for k, v in updates.items():
             setattr(entry, k, v)
         entry.heartbeat = time.time()
+        if sign_with:
+            entry.signature = apikeys.sign(sign_with, entry)
         if entry.lease is not None:
             self._keepalive(entry.lease)
-            if not updates:
+            if not updates and not sign_with:
                 return
         base = self._trial_key(entry.experiment, entry.trial)
         self._put(f"{base}/{OWN_KEY}/servers/{entry.id}", json.dumps(entry.to_json()), entry.lease)
 
-    def deregister(self, experiment: str, trial: str, sid: str, lease: str | None = None) -> None:
+    def deregister(self, experiment: str, trial: str, sid: str, lease: str | None = None) -> bool:
+        """Remove a server's entries; True when this removed them (False: already gone)."""
         base = self._trial_key(experiment, trial)
-        self._delete(f"{base}/{SERVERS_KEY}/{sid}")
-        self._delete(f"{base}/{OWN_KEY}/servers/{sid}")
+        gone = self._delete(f"{base}/{SERVERS_KEY}/{sid}")
+        gone = self._delete(f"{base}/{OWN_KEY}/servers/{sid}") or gone
         if lease is not None:
             self._revoke(lease)
+        return gone
 
     def deregister_job(self, experiment: str, trial: str, marker: str) -> int:
-        """Remove the entries one job registered (servers and ranks), not another job's."""
+        """Remove the entries one job registered (servers and ranks), not another job's.
+        Returns how many servers' entries this removed; raises when it cannot remove them."""
         gone = 0
         for e in self.list(experiment, trial, include_dead=True).servers:
             if e.managed and e.marker == marker:
-                self.deregister(experiment, trial, e.id, e.lease)
-                gone += 1
+                gone += self.deregister(experiment, trial, e.id, e.lease)
         for r in self.ranks(experiment, trial, include_dead=True):
             if r.marker == marker:
                 self.deregister_rank(r)
@@ -290,8 +304,7 @@ class Registry(ABC):
         gone = 0
         for e in self.list(experiment, trial, include_dead=True).servers:
             if e.managed and not e.is_alive():
-                self.deregister(e.experiment, e.trial, e.id, e.lease)
-                gone += 1
+                gone += self.deregister(e.experiment, e.trial, e.id, e.lease)
         if experiment and trial:
             for r in self.ranks(experiment, trial, include_dead=True):
                 if not r.is_alive():

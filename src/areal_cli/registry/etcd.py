@@ -115,8 +115,9 @@ class EtcdRegistry(Registry):
                 out[key] = value.decode(errors="replace")
         return out
 
-    def _delete(self, key: str) -> None:
-        self._client.call("/v3/kv/deleterange", {"key": _b64(key)})
+    def _delete(self, key: str) -> bool:
+        reply = self._client.call("/v3/kv/deleterange", {"key": _b64(key)})
+        return int(reply.get("deleted") or 0) > 0
 
     def _grant(self, ttl: float) -> str:
         # etcd counts whole seconds (and raises anything below its minimum, about 1-2 s).

@@ -95,17 +95,21 @@ class FileRegistry(Registry):
             tmp.unlink(missing_ok=True)
             raise
 
-    def _delete(self, key: str) -> None:
+    def _delete(self, key: str) -> bool:
         d = self.root / key
-        shutil.rmtree(d, ignore_errors=True)
+        try:
+            shutil.rmtree(d)
+        except FileNotFoundError:
+            return False  # gone already (another writer's delete got there first)
         d = d.parent
         # The user's own folder stays: it carries the ownership readers check.
         while d != self.root / self.user and self.root in d.parents:
             try:
                 d.rmdir()
             except OSError:
-                return
+                break
             d = d.parent
+        return True
 
     def _make_dirs(self, d: Path) -> None:
         if not self.root.exists():

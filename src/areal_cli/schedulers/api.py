@@ -116,6 +116,10 @@ class StopResult:
     killed: int = 0  # processes signalled, or Slurm jobs cancelled
     deregistered: int = 0
     cancelled: str | None = None  # the cluster job cancelled ("Slurm job 123")
+    # What could not be stopped or removed, each in words (why, and what becomes of it).
+    left: list[str] = field(default_factory=list)
+    # Something of the job still runs (a process that outlived SIGKILL): `areal stop` exits 3.
+    running: bool = False
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -43,6 +43,9 @@ class LocalScheduler(Scheduler):
         self.home = home or settings.home()
         self.registry = registry
         self._foreground = None
+        # Registries that did not answer during this command (url → why): asked once only, so
+        # a stop of several jobs costs one request timeout per registry, not one per job.
+        self._unanswered: dict[str, str] = {}
 
     # -- submit ---------------------------------------------------------------------------
 
@@ -165,7 +168,8 @@ class LocalScheduler(Scheduler):
                 health = discovery.healthy(probes)
                 paused = asked.result()
         out = []
-        ranks = _live_ranks([rec for rec, state in rows if state in records.LIVE])
+        ranks = _live_ranks([rec for rec, state in rows if state in records.LIVE],
+                            self._unanswered)  # fmt: skip
         for rec, state in rows:
             servers = [
                 ServerStatus(
@@ -243,7 +247,6 @@ class LocalScheduler(Scheduler):
         """SIGTERM the supervisor and wait; then make sure nothing of the job is left, and
         nothing of the trial's other job if that one is not running either."""
         from areal_cli import procs  # psutil: `ps` with no jobs never needs it
-        from areal_cli.registry import open_registry
 
         rec = self._record(handle)
         if rec.host != settings.hostname():
@@ -266,9 +269,19 @@ class LocalScheduler(Scheduler):
         # Only pids that are still the processes we started: an old record's pids may be reused.
         roots = [p.pid for p in rec.processes if procs.pid_alive(p.pid, p.create_time)]
         killed = procs.kill_job(rec.marker, roots, grace=3.0)
+        left: list[str] = []
+        alive = sorted({p.pid for p in procs.find_marked(rec.marker)}
+                       | {pid for pid in roots if procs.pid_alive(pid)})  # fmt: skip
+        if alive:
+            left.append(f"{len(alive)} process(es) still alive after SIGKILL: "
+                        + " ".join(map(str, alive)))  # fmt: skip
         deregistered = 0
-        for url in {rec.registry, settings.registry_url(self.registry)}:
-            deregistered += open_registry(url).deregister_job(rec.experiment, rec.trial, rec.marker)
+        for url in dict.fromkeys([rec.registry, settings.registry_url(self.registry)]):
+            got = self._deregister(url, rec, servers_gone=not alive)
+            if isinstance(got, str):
+                left.append(got)
+            else:
+                deregistered += got
         fresh = records.load(self.home, rec.experiment, rec.trial, rec.kind)
         if fresh.state in records.LIVE:
             fresh.state = "stopped"
@@ -278,7 +291,42 @@ class LocalScheduler(Scheduler):
             # A foreground job knows only that a SIGTERM came: it was ours.
             fresh.message = "stopped by areal stop"
             records.write(self.home, fresh)
-        return StopResult(rec.name, was_running, killed, deregistered)
+        return StopResult(rec.name, was_running, killed, deregistered, left=left,
+                          running=bool(alive))  # fmt: skip
+
+    def _deregister(self, url: str, rec: records.JobRecord, servers_gone: bool) -> int | str:
+        """The job's entries removed from one registry: how many, or what was left and why."""
+        from areal_cli.errors import ArealError, WaitTimeout
+        from areal_cli.registry import open_registry
+
+        fate = (
+            "etcd drops them when their lease runs out (the TTL: 30 s unless AREAL_REGISTRY_TTL)"
+            if url.startswith("etcd://")
+            else "readers skip such entries: their servers are gone"
+            if servers_gone
+            else "readers skip such entries once their heartbeat is older than the TTL"
+        )
+        why = self._unanswered.get(url)
+        if why is None:
+            reg = open_registry(url)
+            try:
+                return reg.deregister_job(rec.experiment, rec.trial, rec.marker)
+            except (ArealError, OSError) as e:
+                why = getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
+                if isinstance(e, WaitTimeout):
+                    self._unanswered[url] = why
+                else:
+                    try:
+                        listed = reg.list(rec.experiment, rec.trial, include_dead=True).servers
+                        n = sum(x.marker == rec.marker for x in listed)
+                    except (ArealError, OSError):
+                        n = None
+                    if n == 0:
+                        return 0
+                    if n is not None:
+                        return f"{n} registry entr{'y' if n == 1 else 'ies'} left in {url} " \
+                               f"({why}); {fate}"  # fmt: skip
+        return f"the job's registry entries in {url} were not removed ({why}); {fate}"
 
     def _record(self, handle: Handle) -> records.JobRecord:
         return records.load(self.home, handle.experiment, handle.trial, handle.kind)
@@ -308,22 +356,28 @@ def _paused_servers(rows: list, here: str) -> dict[str, bool]:
         return {a[0]: flag is True for a, flag in zip(asks, got, strict=True)}
 
 
-def _live_ranks(recs: list[records.JobRecord]) -> dict[str, tuple[int, int]]:
-    """marker → (ranks alive, world size) from the registry's rank table, per training job."""
+def _live_ranks(
+    recs: list[records.JobRecord], unanswered: dict[str, str]
+) -> dict[str, tuple[int, int]]:
+    """marker → (ranks alive, world size) from the registry's rank table, per training job.
+    A registry that does not answer is noted in `unanswered` and not asked again."""
     if not any(rec.kind != "serve" for rec in recs):
         return {}
-    from areal_cli.errors import ArealError
+    from areal_cli.errors import ArealError, WaitTimeout
     from areal_cli.parallel import ParallelDims
     from areal_cli.registry import open_registry
 
     out: dict[str, tuple[int, int]] = {}
     for rec in recs:
-        if rec.kind == "serve":
+        if rec.kind == "serve" or rec.registry in unanswered:
             continue
         try:
             world = ParallelDims.from_alloc(rec.alloc).world_size if rec.alloc else 0
             alive = [r for r in open_registry(rec.registry).ranks(rec.experiment, rec.trial)
                      if r.marker == rec.marker]  # fmt: skip
+        except WaitTimeout as e:
+            unanswered[rec.registry] = e.message
+            continue
         except (ArealError, OSError):
             continue
         out[rec.marker] = (len(alive), alive[0].world_size if alive else world)

@@ -54,6 +54,8 @@ from areal_cli.schedulers.local import records
 from areal_cli.spec import Plan, ProcessPlan
 
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: stopped by SIGTERM (areal stop, timeout)
+# Seconds the teardown waits for the registry to drop the job's entries.
+REGISTRY_WAIT = 1.0
 
 EventFn = Callable[[str, dict], None]
 LineFn = Callable[[str, str], None]
@@ -234,7 +236,10 @@ class Supervisor:
                 listed = []  # the registry is down for a moment; the runner keeps trying
             for e in listed:
                 proc = pending.get(_local_addr(e.addr, self.plan))
-                if e.marker == self.plan.marker and proc is not None:
+                # The address recorded here is asked with the key later (ps, teardown): only
+                # an entry our runner signed may set it, not a copy another user planted.
+                signed = not self.plan.api_key or not apikeys.unproven(self.plan.api_key, e)
+                if e.marker == self.plan.marker and proc is not None and signed:
                     del pending[proc.plan.addr]
                     proc.healthy = True
                     rec = next(r for r in self.record.processes if r.pid == proc.popen.pid)
@@ -399,11 +404,12 @@ class Supervisor:
                 pass
             if proc.popen.returncode is not None:
                 self._record_exit(proc, proc.popen.returncode, write=False)
-        try:
-            # Runners deregister their own servers; this catches a runner that was killed.
-            self.registry.deregister_job(self.plan.experiment, self.plan.trial, self.plan.marker)
-        except (ArealError, OSError):
-            pass
+        # Runners deregister their own servers; this catches a runner that was killed. A
+        # registry that does not answer gets a short wait: the entries' leases run out anyway,
+        # and `areal stop` names what is left.
+        cleanup = threading.Thread(target=self._deregister_job, daemon=True)
+        cleanup.start()
+        cleanup.join(REGISTRY_WAIT)
         self._follow_stop.set()
         if self._follower is not None:
             self._follower.join(timeout=2)
@@ -420,6 +426,12 @@ class Supervisor:
             self.record.exit_code = code
             records.write(self.home, self.record)
         self.claim.release()
+
+    def _deregister_job(self) -> None:
+        try:
+            self.registry.deregister_job(self.plan.experiment, self.plan.trial, self.plan.marker)
+        except (ArealError, OSError):
+            pass
 
     def _resume_servers(self) -> None:
         resumed = resume_left_paused(self.plan)

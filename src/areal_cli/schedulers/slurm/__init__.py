@@ -156,10 +156,14 @@ class SlurmScheduler(Scheduler):
             if entries:
                 from areal_cli import apikeys, control, discovery
 
-                health = discovery.healthy([e.addr for e in entries])
                 held = apikeys.load(rec.api_key_file) if rec.api_key_file else None
                 key = held[1] if held and held[0] == rec.marker else None
-                backend = entries[0].backend or "sglang"
+                if key:
+                    # Anyone who writes the registry can copy an entry of ours: only those
+                    # the job signed are its servers (and may be asked with its key).
+                    entries = [e for e in entries if apikeys.unproven(key, e) is None]
+                health = discovery.healthy([e.addr for e in entries])
+                backend = (entries[0].backend if entries else None) or "sglang"
                 paused = control.paused_all([e.addr for e in entries], backend, key, 1.0)
             from areal_cli.schedulers.slurm.job import ended_replicas
 
