@@ -778,9 +778,23 @@ def _render_why(rep, name: str | None) -> None:
         out.print(f"  [yellow]{escape(r.hint)}[/]")
     if rep.secondary:
         out.print(f"[bold]secondary[/] ({len(rep.secondary)}), each caused by the root cause:")
-        whos = [f"rank {e.rank}" if e.rank is not None else e.source for e in rep.secondary]
-        width = max(10, *map(len, whos))
-        for e, who in zip(rep.secondary, whos, strict=True):
+        # One row per failure, however many ranks show it (addresses and pids aside).
+        import re
+
+        rows: dict[tuple, list] = {}
+        for e in rep.secondary:
+            key = (e.kind, e.source if e.rank is None else None, re.sub(r"\d+", "N", e.message))
+            rows.setdefault(key, []).append(e)
+        shown = []
+        for group in rows.values():
+            ranks = sorted({e.rank for e in group if e.rank is not None})
+            if ranks:
+                who = f"rank{'s' if len(ranks) > 1 else ''} {_ranks_text(ranks)}"
+            else:
+                who = group[0].source
+            shown.append((who, group[0]))
+        width = max(10, *(len(w) for w, _ in shown))
+        for who, e in shown:
             msg = e.message if len(e.message) <= 110 else e.message[:109] + "…"
             same = (
                 " (the same failure)" if e.caused_by and e.caused_by.startswith("the same") else ""
