@@ -54,6 +54,8 @@ def test_serve_then_train_learns_through_weight_sync(tiny, areal_env, method):
         # The header is one line, the server list included.
         header = next(x for x in (res.stdout + res.stderr).splitlines() if "GRPO" in x)
         assert f"sync {method}" in header and f"servers {server['addr']}" in header
+        # Fresh servers hold the checkpoint the trainer loads: said, and nothing pushed.
+        assert "servers hold the weights the trainer starts from" in res.stdout + res.stderr
         rows = metrics(home)
         assert [r["step"] for r in rows] == list(range(steps))
         rewards = [r["reward_mean"] for r in rows]
