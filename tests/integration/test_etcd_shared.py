@@ -216,8 +216,9 @@ def test_stop_with_etcd_stopped_stops_every_process_and_names_the_entries_left(
         )
         if train is not None:
             assert train.wait(timeout=10) == 143
-        # Bounded: each job's own stop, plus one request timeout (5 s) for the registry.
-        assert took < (20 if with_train else 12), f"took {took:.1f}s"
+        # Bounded: each job's own stop, plus one request timeout (5 s) for the registry (with
+        # room for a loaded machine: 16 s and 9 s measured on two busy cores).
+        assert took < (30 if with_train else 20), f"took {took:.1f}s"
         print(f"\nstop with etcd stopped ({'train and serve' if with_train else 'serve'}): "
               f"{took:.1f}s")  # fmt: skip
     finally:
