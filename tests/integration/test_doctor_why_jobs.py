@@ -149,3 +149,13 @@ def test_across_nodes_on_slurm_the_rank_on_the_second_node_is_named(slurm_env, t
     peers = {e["rank"] for e in out["secondary"] if e["kind"] == "connection_lost"}
     assert peers and 3 not in peers
     assert any(p.endswith(".log") and "torchrun-" in p for p in out["sources"])
+
+
+def test_running_the_same_trial_again_shows_every_line_of_the_new_run(tmp_path):
+    """The second run's logs replace the first's (new files, often with the old inodes):
+    the terminal shows each of its lines once, and none of the first run's."""
+    for run in ("first", "second"):
+        res = train("none", tmp_path, check=0, LINES="100", RUN=run)
+        for r in (0, 1):
+            got = [x for x in res.stderr.splitlines() if x.startswith(f"[rank-{r}] rank {r} line ")]
+            assert got == [f"[rank-{r}] rank {r} line {i}" for i in range(100)], (run, got[:3])
