@@ -36,13 +36,11 @@ def key_file(home: Path, experiment: str, trial: str) -> Path:
 
 
 def store(path: str | Path, marker: str, key: str) -> None:
+    from areal_cli import files
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"marker": marker, "key": key}, f)
-    os.replace(tmp, path)
+    files.write_atomic(path, json.dumps({"marker": marker, "key": key}), mode=0o600)
 
 
 def load(path: str | Path) -> tuple[str, str] | None:

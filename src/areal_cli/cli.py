@@ -8,6 +8,7 @@ the table below without importing any of them. Help is drawn by `console.render_
 
 from __future__ import annotations
 
+import errno
 import importlib
 import inspect
 import os
@@ -201,6 +202,15 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(e.exit_code)
         if type(e).__name__ == "Abort":
             sys.exit(EXIT_INTERRUPTED)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            # A full disk can meet any write (a lock, a log folder): one message naming it.
+            from areal_cli import console, files, settings
+
+            full = files.disk_full(e.filename or settings.home(), e)
+            if debug:
+                console.err.print_exception()
+            console.report_error(full)
+            sys.exit(full.exit_code)
         raise
     sys.exit(0)
 

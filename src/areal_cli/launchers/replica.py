@@ -158,11 +158,11 @@ class Replica:
             return
         path = Path(run_dir) / f"server-{self.p['index']}.ready"
         info = {"addr": self.entry.addr, "node": self.entry.node, "pid": self.entry.pid}
+        from areal_cli import files
+
         try:
-            tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text(json.dumps(info))
-            os.replace(tmp, path)
-        except OSError as e:
+            files.write_atomic(path, json.dumps(info))
+        except (OSError, files.DiskFull) as e:
             self.say(f"cannot write {path}: {e}")
 
     def _wait_healthy(self, host: str, port: int) -> bool:

@@ -117,6 +117,7 @@ def run_node(
 ) -> int:
     """Run one node's torchrun, splitting its output into rank-N.log per global rank and
     `own_log` for torchrun's own lines. Returns its exit code (128+signal when killed)."""
+    import errno
     import os
     import signal
     import subprocess
@@ -154,7 +155,13 @@ def run_node(
         rank, body = split_rank(raw)
         if rank is None and stopped:
             continue  # torchrun answers a stop with a SignalException traceback: not news
-        os.write(fd(f"rank-{rank}.log" if rank is not None else own_log), body)
+        try:
+            os.write(fd(f"rank-{rank}.log" if rank is not None else own_log), body)
+        except OSError as e:
+            # A full disk: the line is lost, but the pipe is still drained, so torchrun and
+            # its workers are not killed by a broken pipe; the supervisor names the disk.
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
     code = proc.wait()
     for f in files.values():
         os.close(f)

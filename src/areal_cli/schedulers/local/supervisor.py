@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from areal_cli import apikeys, logfiles, procs, settings
+from areal_cli import apikeys, files, logfiles, procs, settings
 from areal_cli.errors import (
     EXIT_INTERRUPTED,
     ArealError,
@@ -146,10 +146,13 @@ class Supervisor:
         except ArealError as e:
             error = e
             code = e.exit_code
-        except BaseException:
-            code = 1
-            self._teardown("failed", "the supervisor crashed", 1)
-            raise
+        except BaseException as e:
+            if not files.is_full(e):
+                code = 1
+                self._teardown("failed", "the supervisor crashed", 1)
+                raise
+            error = files.disk_full(getattr(e, "filename", None) or self.plan.log_dir, e)
+            code = error.exit_code
         if error is not None:
             self._teardown("failed", error.message, code, error.detail)
             raise error
@@ -501,6 +504,12 @@ class Supervisor:
                 log = os.path.join(self.plan.log_dir, f"rank-{rank}.log")
                 tail = self._tail_text(log)
         what = f"{label} failed {when}".strip()
+        full = files.full_filesystem(log)
+        if full:  # its output could not be written: that is what it died of, most likely
+            died_of = f"the filesystem of its log is full: {full}" + (
+                f"; {died_of}" if died_of else ""
+            )
+            hint = "free space there, or point AREAL_HOME (--home) at a filesystem with room"
         died_of = f"; {died_of}" if died_of else ""
         hint = f"full log: {log}" + (f"; {hint}" if hint else "")
         return LaunchError(f"{what}: {describe_exit(code)}{died_of}", detail=tail, hint=hint)

@@ -13,7 +13,6 @@ the record keeps the last state seen and the outcome.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -70,12 +69,14 @@ def path(home: Path, experiment: str, trial: str, kind: str) -> Path:
 def write(home: Path, rec: SlurmRecord) -> None:
     rec.updated = time.time()
     p = path(home, rec.experiment, rec.trial, rec.kind)
+    from areal_cli import files
+
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(rec), indent=2))
-        os.replace(tmp, p)
+        files.write_atomic(p, json.dumps(asdict(rec), indent=2))
     except OSError as e:
+        if files.is_full(e):
+            raise files.disk_full(p, e) from None
         raise UsageError(
             f"cannot write the job record {p}: {e.strerror or e}",
             hint="pick a writable --home (or AREAL_HOME)",
