@@ -337,33 +337,30 @@ def _check_keys(found, experiment: str, trial: str, areal: bool, given: str | No
             raise UsageError(
                 f"{', '.join(refused)}: want an API key, and AReaL's trainer sends none "
                 "(--areal-overrides)",
-                hint=f"serve them with --api-key none (any user of this host can then reach "
-                f"them), or train with areal_cli.worker, which sends the key "
-                f"(AREAL_API_KEY=$(areal key {experiment}/{trial}))",
+                hint="serve them with --api-key none (any user of this host can then reach "
+                "them), or train with areal_cli.worker, which sends the key",
             )
         return found
     refused = control.keys_refused(found.addrs, found.backend, found.api_key)
-    if refused and found.api_key is None and given:
-        if not control.keys_refused(list(refused), found.backend, given):
-            return replace(found, api_key=given)
-        refused = control.keys_refused(list(refused), found.backend, given)
-        key_was = "the key given (--api-key / AREAL_API_KEY)"
-    elif found.api_key is not None:
-        key_was = f"the key of job {experiment}/{trial}"
-        if found.entries == [] and given:  # --servers: the key came from the flag or the env
-            key_was = "the key given (--api-key / AREAL_API_KEY)"
-    else:
-        key_was = None
     if not refused:
         return found
+    if found.api_key is None and given:
+        refused = control.keys_refused(list(refused), found.backend, given)
+        if not refused:
+            return replace(found, api_key=given)
+        what = "refuse the key given (--api-key / AREAL_API_KEY)"
+    elif found.api_key is None:
+        what = "want an API key, and none was given"
+    elif not found.entries:  # --servers: the key came from the flag or the environment
+        what = "refuse the key given (--api-key / AREAL_API_KEY)"
+    else:
+        what = "refuse the key of the job that registered them"
     names = ", ".join(f"{a} (HTTP {s})" for a, s in refused.items())
-    what = f"refuse {key_was}" if key_was else "want an API key, and none was given"
     raise UsageError(
         f"{names}: {what}",
-        hint=f"give the servers' key in the environment, never on a command line: "
-        f"AREAL_API_KEY=$(areal key E/T) areal train ... for servers `areal serve` started "
-        f"as E/T ({experiment}/{trial} here), or export AREAL_API_KEY for servers started "
-        "elsewhere",
+        hint="give the servers' key in the environment, never on a command line: "
+        "AREAL_API_KEY=$(areal key E/T) areal train ..., E/T being the job that serves them "
+        "(areal ps); for servers started elsewhere, export AREAL_API_KEY",
     )
 
 
