@@ -93,6 +93,14 @@ def test_pid_1_is_not_taken_for_a_launcher(in_namespace):
     assert "Traceback" not in res.stderr and res.stdout == ""
 
 
+def test_a_wrapper_holding_one_job_stands_for_it(in_namespace):
+    """`unshare` (no launcher, no Python) with one job below it: that job."""
+    s = in_namespace
+    data = verdict_of(doctor("--pid", str(s.proc.pid), "--interval", "0.2", "--json"))
+    assert data["verdict"]["kind"] == "mismatched_collective"
+    assert sorted(r["pid"] for r in data["ranks"]) == _ranks(s)
+
+
 def test_allreduce_names_a_stopped_rank(tmp_path):
     """A SIGSTOPped rank is named as stopped, with its pid and how to resume it; the transport
     is not blamed."""

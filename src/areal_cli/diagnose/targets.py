@@ -158,8 +158,8 @@ def _from_pids(pids: list[int]) -> list[Job]:
                     hint="name a job's torchrun or its ranks (--pid PID), or --job E/T; "
                     "`areal doctor hang` without a target finds every job of yours",
                 )
-            # A Python parent whose children are the ranks of one job (mp.spawn, a custom
-            # spawner): its ranks.
+            # A custom spawner (mp.spawn), a wrapper script or a container's init holding
+            # one job: its ranks.
             key = ("parent", pid)
             groups[key] = Job(label=f"pid {pid} ({_describe(proc)})", ranks=ranks, launcher_pid=pid)
             continue
@@ -418,13 +418,12 @@ def is_launcher(p: psutil.Process) -> bool:
 
 
 def _is_spawner(p: psutil.Process, ranks: list[RankProc], tree: _Tree) -> bool:
-    """A parent not known as a launcher is taken for one only when it is a Python process
-    whose own children are the ranks, all of one rendezvous."""
-    if not is_python(p):
+    """A parent not known as a launcher stands for the ranks below it only when they are of
+    one rendezvous and it is not init or a process this doctor runs under (a shell, tmux,
+    sshd: everything of the user's is below those)."""
+    if len({r.job_key() for r in ranks}) != 1:
         return False
-    if any(tree.parent.get(r.pid) != p.pid for r in ranks):
-        return False
-    return len({r.job_key() for r in ranks}) == 1
+    return p.pid != 1 and p.pid not in {os.getpid(), *tree.ancestors(os.getpid())}
 
 
 def is_python(p: psutil.Process) -> bool:
