@@ -743,7 +743,7 @@ def _why_job(name: str, kind: str | None, home: str | None, kernel):
         )
     servers = [(f"server-{i}", s.exit_code, s.addr) for i, s in enumerate(st.servers)]
     records = why.record_events(st.state, st.message, servers, time=None)
-    return why.diagnose_dir(st.log_dir, records=records, kernel=kernel)
+    return why.diagnose_dir(st.log_dir, kind=handle.kind, records=records, kernel=kernel)
 
 
 def _render_why(rep, name: str | None) -> None:

@@ -159,6 +159,23 @@ def test_a_server_that_died_is_the_root_of_the_ranks_lost_connections():
     assert rep.secondary[0].kind == "connection_lost"
 
 
+def test_a_servers_traceback_is_not_the_root_while_the_server_lived(tmp_path):
+    tb = ["Traceback (most recent call last):", '  File "/srv/app.py", line 9, in handle']
+    (tmp_path / "server-0.log").write_text("\n".join([*tb, "KeyError: 'prompt'"]) + "\n")
+    (tmp_path / "rank-0.log").write_text("\n".join(
+        ["Traceback (most recent call last):", '  File "/home/me/train.py", line 4, in <module>',
+         "ValueError: reward is nan"]) + "\n")  # fmt: skip
+    rep = why.diagnose_dir(tmp_path)
+    assert (rep.root.kind, rep.root.rank) == ("python_exception", 0)
+    assert [e.kind for e in rep.secondary] == ["server_error"]
+    # A training job's verdict reads its own logs only: the servers' are the serving job's.
+    rep = why.diagnose_dir(tmp_path, kind="train")
+    assert rep.secondary == [] and rep.sources == [str(tmp_path / "rank-0.log")]
+    # Nothing but the server's traceback: that is where to look.
+    (tmp_path / "rank-0.log").write_text("step 1\n")
+    assert why.diagnose_dir(tmp_path).root.kind == "server_error"
+
+
 def test_timestamps_order_failures_across_logs():
     a = ["2026-12-01 10:00:05,000 INFO step", "Traceback (most recent call last):",
          '  File "/a.py", line 1, in <module>', "KeyError: 'x'"]  # fmt: skip

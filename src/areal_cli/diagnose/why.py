@@ -13,8 +13,8 @@ testable from recorded text.
 Kinds: python_exception, cpu_oom, cuda_oom, oom_killer, collective_mismatch,
 collective_timeout, connection_lost, signal, server_died, native_abort, hang (the
 watchdog ended a job that stopped progressing), and the purely
-secondary child_failed (torchrun), launcher_failed (AReaL's JobException) and
-teardown_warning (ProcessGroupNCCL at exit).
+secondary child_failed (torchrun), launcher_failed (AReaL's JobException),
+teardown_warning (ProcessGroupNCCL at exit) and server_error (a server's traceback).
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ SECONDARY_KINDS = (
     "launcher_failed",
     "teardown_warning",
     "stopped_by_launcher",
+    # A traceback a server logged: it may have answered one request badly and lived on; a
+    # server that died is the record's server_died.
+    "server_error",
 )
 OOM_KINDS = ("cpu_oom", "cuda_oom", "oom_killer")
 MEMORY_HINT = "next: `areal doctor memory` shows what held the memory"
@@ -642,7 +645,7 @@ def analyze(events: Sequence[Event], kernel: Kernel | None = None) -> Report:
     events += _from_torchrun_report(events, kernel)
     for e in events:
         if e.source.startswith("server-") and e.kind in ("python_exception", "native_abort"):
-            e.kind = "server_died"  # a server's own crash: the ranks only lost their server
+            e.kind = "server_error"
     if not events:
         return Report(None, [])
     external = [e for e in events if e.kind in ("signal", "hang") and e.sender
@@ -665,7 +668,7 @@ def analyze(events: Sequence[Event], kernel: Kernel | None = None) -> Report:
     else:
         # Only consequences: the one that is itself the failure (a hang that timed out),
         # torchrun's summary last.
-        rank_of = {"collective_timeout": 0, "connection_lost": 1, "signal": 2}
+        rank_of = {"server_error": 0, "collective_timeout": 1, "connection_lost": 2}
         root = min(events, key=lambda e: (rank_of.get(e.kind, 3), e.time or float("inf"),
                                           e.order))  # fmt: skip
     if root.rank is not None and root.node is None:
@@ -798,20 +801,36 @@ def parse_files(paths: Sequence[tuple[str, Path]], max_bytes: int = 4 << 20) -> 
 def diagnose_dir(
     log_dir: str | Path,
     *,
+    kind: str | None = None,
     extra: Sequence[tuple[str, Path]] = (),
     records: Sequence[Event] = (),
     kernel: Kernel | None = None,
 ) -> Report:
     """A job's log folder (every server, rank, torchrun and supervisor log, on every node
-    of a shared folder), plus what its record says."""
+    of a shared folder), plus what its record says. `kind` (serve, train, serve+train): only
+    that job's own logs, where a trial's serving and training jobs share the folder."""
     from areal_cli import logfiles
 
     logs = [*logfiles.select_logs(Path(log_dir)).items(), *extra]
+    if kind is not None:
+        logs = [(label, p) for label, p in logs if _belongs(label, kind)]
     for e in records:
         e.path = e.path or next((str(p) for label, p in logs if label == e.source), None)
     rep = analyze([*records, *parse_files(logs)], kernel)
     rep.sources = [str(p) for _, p in logs]
     return rep
+
+
+def _belongs(label: str, kind: str) -> bool:
+    serves, trains = "serve" in kind, "train" in kind
+    if label.startswith("server-"):
+        return serves
+    if label.startswith(("rank-", "torchrun", "watchdog")):
+        return trains
+    if label.startswith("supervisor-"):
+        # supervisor-serve.log / supervisor-train.log (Slurm's batch output per job)
+        return label.removeprefix("supervisor-") in kind.split("+")
+    return True
 
 
 def first_failure(
@@ -823,7 +842,7 @@ def first_failure(
 
     known = {str(p) for p in logfiles.select_logs(Path(log_dir)).values()}
     extra = [(Path(p).stem, Path(p)) for p in torchrun_logs if str(p) not in known]
-    rep = diagnose_dir(log_dir, extra=extra, kernel=kernel)
+    rep = diagnose_dir(log_dir, kind="train", extra=extra, kernel=kernel)
     root = rep.root
     if root is None or root.rank is None:
         return None, None, rep
