@@ -258,8 +258,8 @@ def is_stopped(pid: int) -> bool:
 
 
 def _run(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """Run py-spy (or nsenter holding it) in its own process group: a timeout kills the
-    whole group, so no py-spy outlives the nsenter that forked it."""
+    """Run py-spy (or nsenter holding it) in its own process group: a timeout (or Ctrl-C)
+    kills the whole group, so no py-spy outlives the nsenter that forked it."""
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,
@@ -270,7 +270,7 @@ def _run(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
     )
     try:
         out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except BaseException:
         try:
             os.killpg(proc.pid, 9)
         except OSError:
