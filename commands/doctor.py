@@ -742,7 +742,7 @@ def _why_job(name: str, kind: str | None, home: str | None, kernel):
             hint=f"a job that hangs: areal doctor hang --job {name}",
         )
     servers = [(f"server-{i}", s.exit_code, s.addr) for i, s in enumerate(st.servers)]
-    records = why.record_events(st.state, st.message, servers, time=None)
+    records = why.record_events(st.state, st.message, servers, scheduler=handle.scheduler)
     return why.diagnose_dir(st.log_dir, kind=handle.kind, records=records, kernel=kernel)
 
 

@@ -131,6 +131,21 @@ def test_slurm_time_limit_names_who_stopped_the_job():
     assert (rep.root.kind, rep.root.sender) == ("signal", "Slurm time limit")
 
 
+def test_how_slurm_ended_a_job_names_who_sent_the_signal():
+    for state, message, sched, sender in [
+        ("failed", "Slurm: TIMEOUT", "slurm", "Slurm time limit"),
+        ("killed", None, "slurm", "Slurm preemption"),
+        ("cancelled", "cancelled outside areal (scancel, or an administrator)", "slurm",
+         "Slurm cancel (scancel)"),
+        ("failed", "Slurm: NODE_FAIL", "slurm", "Slurm node failure"),
+    ]:  # fmt: skip
+        (ev,) = why.record_events(state, message, scheduler=sched)
+        assert (ev.kind, ev.sender) == ("signal", sender), (state, message)
+    (ev,) = why.record_events("failed", "Slurm: OUT_OF_MEMORY", scheduler="slurm")
+    assert ev.kind == "oom_killer" and "areal doctor memory" in ev.hint
+    assert why.record_events("killed", None, scheduler="local") == []
+
+
 def test_a_stop_from_areal_outranks_what_the_stopped_ranks_say():
     recs = why.record_events("stopped", "stopped by areal stop")
     lines = ["stopping: SIGTERM"]

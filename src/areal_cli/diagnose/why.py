@@ -589,6 +589,7 @@ def record_events(
     message: str | None,
     servers: Sequence[tuple] = (),
     time: float | None = None,
+    scheduler: str | None = None,
 ) -> list[Event]:
     """What a job record says: who stopped the job (areal stop, Ctrl-C, Slurm), and which
     server exited. `servers`: (label, exit code[, address])."""
@@ -596,7 +597,16 @@ def record_events(
     msg = (message or "").strip()
     low = msg.lower()
     sender = None
-    if low.startswith("watchdog:"):
+    slurm = re.match(r"slurm: (\w+)", low)  # how Slurm said a job ended (its state)
+    if slurm and slurm.group(1) == "out_of_memory":
+        out.append(Event("oom_killer", msg, "job record", time=time, hint=MEMORY_HINT,
+                         sender="the kernel's OOM killer (Slurm: OUT_OF_MEMORY)",
+                         order=(-1, 0)))  # fmt: skip
+    elif slurm and slurm.group(1) in _SLURM_ENDS:
+        sender = _SLURM_ENDS[slurm.group(1)]
+    elif state == "killed" and scheduler == "slurm":
+        sender = "Slurm preemption"  # PREEMPTED: the only way Slurm kills a job of ours
+    elif low.startswith("watchdog:"):
         # --watchdog-action fail ended a job that stopped progressing: that stall is the
         # cause, the teardown's signals follow from it.
         out.append(Event("hang", msg.split(":", 1)[1].strip(), "job record", time=time,
@@ -607,7 +617,7 @@ def record_events(
         sender = "areal stop"
     elif state == "cancelled":
         sender = "Slurm cancel (scancel)"
-    elif "time limit" in low or "timeout" == low:
+    elif "time limit" in low:
         sender = "Slurm time limit"
     elif "preempt" in low:
         sender = "Slurm preemption"
@@ -624,6 +634,15 @@ def record_events(
             out.append(Event("server_died", f"{label}{at} exited ({describe_code(code)})",
                              label, exit_code=code, order=(-1, 1)))  # fmt: skip
     return out
+
+
+_SLURM_ENDS = {
+    "timeout": "Slurm time limit",
+    "preempted": "Slurm preemption",
+    "node_fail": "Slurm node failure",
+    "deadline": "Slurm deadline",
+    "boot_fail": "Slurm (the node failed to boot)",
+}
 
 
 # -- the verdict ------------------------------------------------------------------------------
