@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from areal_cli.diagnose import why
 from tests.helpers import REPO, areal
 
@@ -48,6 +50,13 @@ def test_a_collective_size_mismatch_aborts_the_rank():
     assert (rep.root.rank, rep.root.kind) == (0, "collective_mismatch")
     assert "Received data size doesn't match" in rep.root.message
     assert any(e.kind == "connection_lost" and e.rank == 1 for e in rep.secondary)
+
+
+@pytest.mark.parametrize("op", ["all_gather_into_tensor", "reduce", "all_to_all"])
+def test_size_mismatches_of_other_collectives_abort_a_rank_too(op):
+    rep = report(f"torchrun-mismatch-{op}.log")
+    assert rep.root.kind == "collective_mismatch", op
+    assert "Received data size doesn't match" in rep.root.message
 
 
 def test_cuda_oom_names_the_users_line_and_points_to_doctor_memory():
