@@ -78,7 +78,7 @@ def test_a_stalled_job_gets_one_verdict_and_a_bundle(areal_env):
         shown = areal("logs", "default/stall", check=0).stdout
         assert "[watchdog]" in shown and "verdict mismatched_collective" in shown
 
-        time.sleep(7)  # two more periods of the watchdog: still one verdict (once per stall)
+        time.sleep(4.5)  # another period of the watchdog and more: still one verdict
         assert (logs / "watchdog.log").read_text().count("stall:") == 1
         assert len(list(logs.glob("watchdog-*"))) == 1
     finally:
@@ -102,7 +102,7 @@ def test_fail_action_ends_a_plain_script_with_exit_1_naming_the_verdict(areal_en
 def test_a_healthy_job_with_slow_steps_gets_no_verdict(areal_env):
     home = areal_env[0]
     # Steps of 0.8 x the watchdog's seconds, reported with ctx.progress.
-    p = _train("slow", "--watchdog", "5", env={"STEPS": "3", "STEP_S": "4"})
+    p = _train("slow", "--watchdog", "3", env={"STEPS": "3", "STEP_S": "2.4"})
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0, (out, err)
     logs = _log_dir(home, "slow")
@@ -114,13 +114,14 @@ def test_dry_run_shows_the_recorder_and_the_watchdog(areal_env):
     plan = json.loads(areal("train", "--alloc", "fsdp:d2", "--servers", "none", "--dry-run",
                             "--json", SCRIPT, check=0).stdout)  # fmt: skip
     env = plan["processes"][0]["env"]
-    assert env["TORCH_FR_BUFFER_SIZE"] == env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    assert env["TORCH_FR_BUFFER_SIZE"] == "2000"
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env  # torch 2.13 warns it is deprecated
     assert plan["watchdog"] == 300 and plan["watchdog_action"] == "observe"
     off = json.loads(areal("train", "--alloc", "fsdp:d2", "--servers", "none", "--dry-run",
                            "--json", "--watchdog", "0", SCRIPT, check=0,
                            env={"TORCH_FR_BUFFER_SIZE": "0"}).stdout)  # fmt: skip
     assert off["watchdog"] == 0
-    assert off["processes"][0]["env"]["TORCH_FR_BUFFER_SIZE"] == "0"  # the user's own wins
+    assert "TORCH_FR_BUFFER_SIZE" not in off["processes"][0]["env"]  # the user's own (0) holds
     res = areal("train", "--alloc", "fsdp:d2", "--servers", "none", "--dry-run",
                 "--watchdog-action", "page", SCRIPT, check=2)  # fmt: skip
     assert "--watchdog-action 'page' is not one of observe, fail" in res.stderr

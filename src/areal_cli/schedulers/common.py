@@ -88,10 +88,12 @@ def worker_env(
         env["NCCL_NVLS_ENABLE"] = "0"
     if key:
         env["AREAL_API_KEY"] = key
-    # torch's flight recorder on (the doctor joins it with the stacks), under both names torch
-    # 2.13 reads; the user's own setting, 0 included, wins, and a --debug-preset after it.
-    for name in FR_BUFFER_VARS:
-        env[name] = os.environ.get(name) or os.environ.get(FR_BUFFER_VARS[0]) or str(FR_BUFFER_SIZE)
+    # torch's flight recorder on (the doctor joins it with the stacks). torch 2.13 reads
+    # TORCH_FR_BUFFER_SIZE first and warns on every rank that the older name is deprecated, so
+    # only the new name is set; the user's own setting of either, 0 included, wins, and a
+    # --debug-preset after it.
+    if not any(os.environ.get(name) for name in FR_BUFFER_VARS):
+        env[FR_BUFFER_VARS[0]] = str(FR_BUFFER_SIZE)
     env.update(dict(t.env))
     return env
 
