@@ -443,6 +443,7 @@ def test_a_sync_every_server_refuses_names_each_answer_and_resumes_them(models, 
         for s in servers:
             assert f"127.0.0.1:{s.port}: " in line["error"], line
         assert "served model" in line["error"] and "Set of Tasks" not in line["error"], line
+        print(f"\nrefused by every server in {line['seconds']:.2f}s: {line['error'][:300]}")
         for s in servers:
             assert s.get("/server_info")[1]["batching"]["paused"] is False
             assert greedy(s) and version(s) == "default"
@@ -471,6 +472,7 @@ def test_a_server_restarted_between_syncs_is_noticed_and_gets_the_weights(models
         assert version(srv) == "2" and greedy(srv) == second["expected"]
         assert proc.wait(60) == 0
         assert "was restarted since the last weight sync" in proc.stderr.read()
+        print(f"\nrestarted server: the next sync took {second['seconds']:.2f}s")
     finally:
         proc.kill()
         proc.wait()
@@ -490,6 +492,7 @@ def test_one_trainer_owns_a_servers_weights_and_the_second_is_refused_at_once(mo
         (other,) = run_trainer(trainer(models["tiny"], [srv]), AREAL_EXPERIMENT="exp-b")
         assert other["ok"] is False and other["seconds"] < 10, other
         assert "another trainer, exp-a/t1 (pid" in other["error"], other
+        print(f"\nsecond trainer refused after {other['seconds']:.2f}s: {other['error'][:200]}")
         assert srv.get("/server_info")[1]["batching"]["paused"] is False
         gate.touch()
         assert json.loads(owner.stdout.readline())["ok"] and version(srv) == "2"

@@ -652,3 +652,32 @@ def test_a_hung_server_costs_stall_plus_probe_not_the_request_timeout():
         assert slow.server == ok
 
     run(main())
+
+
+def test_a_refused_control_call_prints_each_servers_answer_and_an_empty_set_is_no_error():
+    from areal_cli.worker.rollout import SyncError
+
+    async def main():
+        a, b = Stub(), Stub()
+        a.fail_update = b.fail_update = True
+        addrs = await _started(a, b)
+        try:
+            async with RolloutClient(addrs, retries=0) as client:
+                assert await client.on_servers([], "resume", client._control) == {}
+                await client.resume([])  # was: ValueError "Set of Tasks/Futures is empty"
+                body = {"model_path": "/x"}
+                with pytest.raises(SyncError) as e:
+                    await client.on_servers(addrs, "weight sync", lambda s: client._control(
+                        s, "/update_weights_from_disk", body))  # fmt: skip
+        finally:
+            await _stopped(a, b)
+        # The server's answer in the message itself, which is all a rank's traceback shows.
+        text = str(e.value)
+        assert text.startswith("weight sync failed on "), text
+        for addr in e.value.failed:
+            assert (
+                f"{addr}: {addr} rejected POST /update_weights_from_disk: HTTP 400: no such file"
+                in text
+            )
+
+    run(main())
