@@ -275,6 +275,10 @@ class LocalScheduler(Scheduler):
         if alive:
             left.append(f"{len(alive)} process(es) still alive after SIGKILL: "
                         + " ".join(map(str, alive)))  # fmt: skip
+        if was_running and rec.alive():
+            alive.append(rec.supervisor_pid)
+            left.append(f"its supervisor (pid {rec.supervisor_pid}) did not stop within "
+                        f"{timeout:g}s")  # fmt: skip
         deregistered = 0
         for url in dict.fromkeys([rec.registry, settings.registry_url(self.registry)]):
             got = self._deregister(url, rec, servers_gone=not alive)
