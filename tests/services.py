@@ -16,8 +16,14 @@ Fixtures
                          test's own; .stop() .kill() .start() .restart(); auth: .user .password;
                          tls: .ca_file (https endpoint). make_ca(dir) makes another CA to be wrong.
 
-Markers `slurm` and `etcd` (added to every test that uses these fixtures) skip when the packages
-are missing, and fail instead when AREAL_REQUIRE_SLURM=1 / AREAL_REQUIRE_ETCD=1.
+  ray_cluster            session: a two-node Ray cluster on this host (tests/ray_cluster.py: head
+                         127.0.0.2, worker 127.0.0.3, token auth). Attributes: .address .env
+                         .nodes .root .token_file.
+  ray_env                function: ray_cluster, with RAY_ADDRESS and RAY_AUTH_* set for the test.
+
+Markers `slurm`, `etcd` and `ray` (added to every test that uses these fixtures) skip when the packages
+are missing, and fail instead when AREAL_REQUIRE_SLURM=1 / AREAL_REQUIRE_ETCD=1 /
+AREAL_REQUIRE_RAY=1.
 
 The daemons run with a clean environment (no AREAL_HOME), so the leak check never counts them;
 each fixture stops, by pid, only what it started.
@@ -130,6 +136,7 @@ SERVICES = {
         "AREAL_REQUIRE_SLURM",
     ),
     "etcd": ({"etcd_server", "etcd", "etcd_factory"}, etcd_missing, "AREAL_REQUIRE_ETCD"),
+    "ray": ({"ray_cluster", "ray_env"}, lambda: ray_missing(), "AREAL_REQUIRE_RAY"),
 }
 
 
@@ -395,6 +402,39 @@ def private_slurm_cluster(monkeypatch):
         raise
     yield cluster
     stop_slurm_cluster(cluster)
+
+
+# ---------------------------------------------------------------- Ray
+
+
+def ray_missing() -> str | None:
+    import ray_cluster as rc
+
+    return rc.ray_missing()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """Started once per session (Ray takes tens of seconds to come up on a busy host); its
+    daemons are not this run's children and carry no AREAL_HOME, so the leak check never
+    counts them; what the tests start on it does carry theirs."""
+    import ray_cluster as rc
+
+    reason = rc.ray_missing()
+    if reason:
+        pytest.skip(reason)
+    cluster = rc.start_ray_cluster()
+    yield cluster
+    rc.stop_ray_cluster(cluster)
+
+
+@pytest.fixture
+def ray_env(ray_cluster, monkeypatch):
+    """ray_cluster, with its address and auth (the token by file) in this test's environment."""
+    for key, value in ray_cluster.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    return ray_cluster
 
 
 # ---------------------------------------------------------------- etcd

@@ -3,8 +3,10 @@ the runners of one multi-node process (torchrun's rendezvous, a multi-node serve
 --dist-init-addr): the first node picks a port on its own address and writes it to a file
 on the shared filesystem, the others read it there.
 
-Under Slurm the node is SLURMD_NODENAME (several slurmd may share one host and its
-hostname) and its address is Slurm's NodeAddr; elsewhere the hostname and its address.
+A scheduler that knows the node tells its runners in AREAL_NODE_NAME, AREAL_NODE_ADDR and
+AREAL_NODE_INDEX (Ray: the node's IP; several Ray nodes may share one host and its hostname).
+Under Slurm the node is SLURMD_NODENAME (several slurmd may share one host too) and its
+address is Slurm's NodeAddr; elsewhere the hostname and its address.
 """
 
 from __future__ import annotations
@@ -21,13 +23,17 @@ NODE_ADDR = "{node_addr}"  # in a plan's host and argv: this node's address, fou
 
 
 def name() -> str:
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    return (
+        os.environ.get("AREAL_NODE_NAME")
+        or os.environ.get("SLURMD_NODENAME")
+        or socket.gethostname()
+    )
 
 
 def index() -> int:
     """This node's place among the nodes of its job step (0 is the first)."""
     try:
-        return int(os.environ.get("SLURM_NODEID", "0"))
+        return int(os.environ.get("AREAL_NODE_INDEX") or os.environ.get("SLURM_NODEID", "0"))
     except ValueError:
         return 0
 
@@ -35,6 +41,8 @@ def index() -> int:
 def address() -> str:
     """The IPv4 address other nodes reach this one by: Slurm's NodeAddr for it, else the
     hostname's address when that is not loopback, else the first non-loopback address."""
+    if os.environ.get("AREAL_NODE_ADDR"):
+        return os.environ["AREAL_NODE_ADDR"]
     node = os.environ.get("SLURMD_NODENAME")
     if node and shutil.which("scontrol"):
         try:

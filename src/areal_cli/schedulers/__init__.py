@@ -1,6 +1,6 @@
-"""Schedulers: where a job's processes run. `local` (processes on this host) and `slurm`
-(a batch job on a Slurm cluster), each one module behind the same API (api.py), imported
-only when used.
+"""Schedulers: where a job's processes run. `local` (processes on this host), `slurm` (a
+batch job on a Slurm cluster) and `ray` (detached actors on a Ray cluster), each one module
+behind the same API (api.py), imported only when used.
 
     sched = get("slurm")                     # --scheduler, job YAML, AREAL_SCHEDULER
     request = sched.dryrun(spec)             # --dry-run prints it
@@ -19,11 +19,11 @@ from areal_cli.errors import UsageError
 if TYPE_CHECKING:
     from areal_cli.schedulers.api import Handle, Scheduler
 
-NAMES = {"local": "LocalScheduler", "slurm": "SlurmScheduler"}
+NAMES = {"local": "LocalScheduler", "slurm": "SlurmScheduler", "ray": "RayScheduler"}
 DEFAULT = "local"
 # Where under AREAL_HOME each scheduler keeps its job records: a scheduler with no folder
 # there has never run a job from this home, and `areal ps` need not even import it.
-RECORDS = {"local": "jobs", "slurm": "slurm"}
+RECORDS = {"local": "jobs", "slurm": "slurm", "ray": "ray"}
 
 
 def pick(flag: str | None, config: dict | None = None) -> str:

@@ -1,0 +1,145 @@
+"""The one actor areal puts on a Ray node: a Step holds its share of the node's resources
+(a server replica's t·p GPUs, or a placement-group bundle of one training node) and runs one
+runner there, the same runners as on Slurm (launchers/replica.py, launchers/torchrun.py).
+
+What Ray does and this makes up for (measured with ray 2.60):
+- Ray sets CUDA_VISIBLE_DEVICES from num_gpus, and for an actor with none it sets nothing
+  (ray#54868), so a CPU step would see every GPU: the runner gets the GPUs Ray assigned,
+  and an empty list when there are none. RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES does
+  not change that: the assigned ids still come from ray.get_gpu_ids().
+- killing an actor kills its children, not theirs (torchrun's ranks, a server under its
+  replica runner): every process of the job carries AREAL_JOB_MARKER, and stop() and
+  sweep() end them by it on this node.
+- the runner's exit code is left in the run folder (`<label>.exit`), as Slurm's steps do,
+  so it is known even when nobody was connected to hear it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+MARKER_ENV = "AREAL_JOB_MARKER"
+
+
+class Step:
+    def __init__(self, label: str, run_dir: str, marker: str, node_index: int = 0):
+        self.label, self.run_dir, self.marker, self.node_index = label, run_dir, marker, node_index
+        self.proc: subprocess.Popen | None = None
+        self.code: int | None = None
+        self._waiter: threading.Thread | None = None
+
+    def where(self) -> dict:
+        """The node this step landed on and the GPUs Ray gave it."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {
+            "ip": ray.util.get_node_ip_address(),
+            "node_id": ctx.get_node_id(),
+            "gpus": [str(g) for g in ray.get_gpu_ids()],
+            "pid": os.getpid(),
+        }
+
+    def endpoint(self) -> str:
+        """host:port free on this node: where the training nodes' rendezvous meets."""
+        import socket
+
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return f"{host}:{s.getsockname()[1]}"
+
+    def start(self, argv: list[str], env: dict[str, str]) -> int:
+        """Run the runner ("{python}" in argv: this node's interpreter)."""
+        where = self.where()
+        argv = [sys.executable if a == "{python}" else a for a in argv]
+        full = {**os.environ, **env}
+        # The GPUs Ray gave this step, exactly (none: none, not every GPU of the node).
+        full["CUDA_VISIBLE_DEVICES"] = ",".join(where["gpus"])
+        full[MARKER_ENV] = self.marker
+        full["AREAL_SCHEDULER_NAME"] = "ray"
+        full["AREAL_NODE_NAME"] = where["ip"]
+        full["AREAL_NODE_ADDR"] = where["ip"]
+        full["AREAL_NODE_INDEX"] = str(self.node_index)
+        full["AREAL_SCHEDULER_JOB_ID"] = self.marker[-8:]
+        out = Path(self.run_dir) / f"{self.label}.out"
+        with open(out, "ab") as log:
+            self.proc = subprocess.Popen(
+                argv, env=full, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        proc = self.proc
+
+        def wait() -> None:
+            code = proc.wait()
+            self.code = 128 - code if code < 0 else code
+            exit_file = Path(self.run_dir) / f"{self.label}.exit"
+            try:
+                tmp = exit_file.with_name(f".{exit_file.name}.tmp")
+                tmp.write_text(f"{self.code}\n")
+                os.replace(tmp, exit_file)
+            except OSError:
+                pass
+
+        self._waiter = threading.Thread(target=wait, daemon=True)
+        self._waiter.start()
+        return proc.pid
+
+    def poll(self) -> int | None:
+        if self._waiter is not None and not self._waiter.is_alive():
+            return self.code
+        return None
+
+    def stop(self, grace: float = 10.0, sweep_node: bool = True) -> int | None:
+        """SIGTERM the runner (it deregisters its server, torchrun stops its ranks), SIGKILL
+        after `grace`, then whatever of the job is left on this node."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        if self._waiter is not None:
+            self._waiter.join(timeout=5.0)
+        if sweep_node:
+            sweep(self.marker)
+        return self.code
+
+    def run(self, argv: list[str], timeout: float) -> tuple[int, str, str]:
+        """A short command on this node (the doctor's sampler), its output back."""
+        argv = [sys.executable if a == "{python}" else a for a in argv]
+        try:
+            res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            return 124, "", f"no answer within {timeout:g}s"
+        return res.returncode, res.stdout, res.stderr
+
+
+def sweep(marker: str, index: int | None = None, grace: float = 3.0) -> int:
+    """Every process of the job on this node (of one replica when `index` is given)."""
+    from areal_cli import procs
+
+    if index is None:
+        return procs.kill_job(marker, grace=grace)
+    from areal_cli.launchers.replica import replica_processes
+
+    found = replica_processes(marker, index)
+    return procs.kill_job(None, roots=[p.pid for p in found], grace=grace) if found else 0
+
+
+def run_on_node(argv: list[str], timeout: float) -> tuple[int, str, str]:
+    return Step("run", "", "").run(argv, timeout)

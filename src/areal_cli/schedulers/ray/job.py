@@ -1,0 +1,724 @@
+"""One job on a Ray cluster, from `areal`'s side: start its actors (and the training nodes'
+placement group), watch its servers register, follow it to its end, tell why it ended, and
+leave nothing behind: no actor, no placement group, no process, no registry entry.
+
+Every actor and the group are detached (lifetime="detached"): a group made by a driver that
+exits is removed with its actors, and `serve --detach` outlives its `areal`. They are named
+by the job's marker in namespace `areal`, so any later `areal` finds them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from areal_cli import apikeys, logfiles, settings
+from areal_cli.errors import EXIT_TIMEOUT, ArealError, LaunchError, UsageError, WaitTimeout
+from areal_cli.schedulers.api import LIVE, Stopped
+from areal_cli.schedulers.common import describe_exit, explain_failure, tail_text
+from areal_cli.schedulers.ray import cluster, records
+from areal_cli.schedulers.ray.planner import (
+    PLAN_FILE,
+    TRAINER_ENV_FILE,
+    RayPlan,
+    actor_name,
+    group_name,
+    jobs_dir,
+    slot,
+)
+from areal_cli.schedulers.ray.records import RayRecord
+
+POLL = 0.2
+STOPPED_BY_AREAL = "stopped by areal stop"
+KILLED_BY_RAY = "killed from Ray's side"
+EventFn = Callable[[str, dict], None]
+
+
+# -- starting --------------------------------------------------------------------------------
+
+
+def submit(plan: RayPlan, home: Path) -> RayRecord:
+    """The run folder (private plan, the trainers' environment), the record, then the actors
+    and group, asked of Ray (placed later). One live job per slot."""
+    with _slot_lock(home, plan):
+        refuse_if_running(home, plan)
+        previous = records.load(home, plan.experiment, plan.trial, plan.kind)
+        run = Path(plan.run_dir)
+        settings.ensure_dir(plan.log_dir)
+        settings.ensure_dir(run.parent)
+        run.mkdir(mode=0o700)
+        try:
+            _private(run / PLAN_FILE, json.dumps(plan.to_json(redact=False)))
+            for p in plan.trainers:
+                _private(run / TRAINER_ENV_FILE, json.dumps(p.env))
+            if plan.api_key and plan.api_key_file and plan.servers:
+                apikeys.store(plan.api_key_file, plan.marker, plan.api_key)
+        except BaseException:
+            shutil.rmtree(run, ignore_errors=True)
+            raise
+        rec = RayRecord(
+            experiment=plan.experiment, trial=plan.trial, kind=plan.kind, job_id=plan.job_id,
+            marker=plan.marker, state="pending", submitted=time.time(), log_dir=plan.log_dir,
+            registry=plan.registry, run_dir=plan.run_dir, address=plan.address,
+            actors=plan.actor_names(), group=group_name(plan.marker) if plan.trainers else None,
+            alloc=plan.alloc, model=plan.model_path, replicas=len(plan.servers),
+            world_size=_world(plan), api_key_file=plan.api_key_file,
+        )  # fmt: skip
+        records.write(home, rec)
+    for old in previous:
+        if not old.live and old.run_dir != rec.run_dir:
+            shutil.rmtree(old.run_dir, ignore_errors=True)
+    return rec
+
+
+def _world(plan: RayPlan) -> int:
+    from areal_cli.parallel import ParallelDims
+
+    if not plan.trainers:
+        return 0
+    return ParallelDims.from_alloc(plan.trainers[0].env["AREAL_ALLOC"]).world_size
+
+
+def _private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+class _slot_lock:
+    def __init__(self, home: Path, plan: RayPlan):
+        self.path = jobs_dir(home, plan.experiment, plan.trial) / f".{slot(plan.kind)}.lock"
+        self.plan = plan
+
+    def __enter__(self):
+        import fcntl
+
+        settings.ensure_dir(self.path.parent)
+        self.f = open(self.path, "a+")  # noqa: SIM115 - the lock lives as long as the file
+        try:
+            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.f.close()
+            raise UsageError(
+                f"another {slot(self.plan.kind)} job of {self.plan.experiment}/"
+                f"{self.plan.trial} is being started right now",
+                hint="see `areal ps`, or pick another --trial",
+            ) from None
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def refuse_if_running(home: Path, plan: RayPlan) -> None:
+    """A serving and a training job may share E/T; a second of the same kind may not, on any
+    scheduler."""
+    from areal_cli import schedulers
+
+    for sched, h in schedulers.known_jobs(plan.experiment, plan.trial, home=home):
+        job = sched.describe(h)
+        if job is None or job.state not in LIVE:
+            continue
+        if slot(h.kind) == slot(plan.kind) or "serve+train" in (h.kind, plan.kind):
+            raise UsageError(
+                f"job {plan.experiment}/{plan.trial} is already running ({h.kind}, {h})",
+                hint=f"stop it first (areal stop {plan.experiment}/{plan.trial}) or pick "
+                "another --trial",
+            )
+
+
+def _step_class():
+    import ray
+
+    from areal_cli.schedulers.ray.actor import Step
+
+    return ray.remote(Step)
+
+
+def create(plan: RayPlan) -> tuple[dict, object | None]:
+    """label → actor handle, and the placement group: asked of Ray, placed when it can."""
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    step = _step_class()
+    actors: dict = {}
+    common = {"namespace": cluster.NAMESPACE, "lifetime": "detached", "max_restarts": 0,
+              "max_concurrency": 8}  # fmt: skip
+    for s in plan.servers:
+        label = f"server-{s.index}"
+        actors[label] = step.options(
+            name=actor_name(plan.marker, label),
+            num_cpus=s.resources.get("CPU", 0.0), num_gpus=s.resources.get("GPU", 0.0),
+            **common,
+        ).remote(label, plan.run_dir, plan.marker, 0)  # fmt: skip
+    pg = None
+    for t in plan.trainers:
+        pg = placement_group(
+            [dict(t.resources) for _ in range(t.nodes)], strategy=plan.strategy,
+            name=group_name(plan.marker), lifetime="detached",
+        )  # fmt: skip
+        for k in range(t.nodes):
+            label = f"torchrun-{k}"
+            actors[label] = step.options(
+                name=actor_name(plan.marker, label),
+                num_cpus=t.resources.get("CPU", 0.0), num_gpus=t.resources.get("GPU", 0.0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=k
+                ),
+                **common,
+            ).remote(label, plan.run_dir, plan.marker, k)  # fmt: skip
+    return actors, pg
+
+
+def runner_argv(plan: RayPlan, label: str, endpoint: str | None) -> list[str]:
+    run = Path(plan.run_dir)
+    if label.startswith("server-"):
+        index = label.split("-", 1)[1]
+        return ["{python}", "-m", "areal_cli.launchers.replica", str(run / PLAN_FILE),
+                "--index", index]  # fmt: skip
+    t = plan.trainers[0]
+    argv = [a.replace("{rdzv_endpoint}", endpoint or "") for a in t.argv]
+    return [
+        "{python}", "-m", "areal_cli.launchers.torchrun", "--log-dir", plan.log_dir,
+        "--own-log", "torchrun-{node}.log", "--env-file", str(run / TRAINER_ENV_FILE), "--",
+        *argv,
+    ]  # fmt: skip
+
+
+# What of the submitting shell's environment reaches the job's processes (Ray starts them in
+# the node's environment): areal's own settings, the hub's, torch's, NCCL's and the engines'.
+# Never an API key (the job's key reaches its processes its own way), never Ray's auth.
+FORWARD_PREFIXES = ("AREAL_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "NCCL_", "TORCH_",
+                    "GLOO_", "SGLANG_", "VLLM_")  # fmt: skip
+NOT_FORWARDED = ("AREAL_JOB_MARKER", "AREAL_NODE_NAME", "AREAL_NODE_ADDR", "AREAL_NODE_INDEX",
+                 "AREAL_SCHEDULER_NAME", "AREAL_SCHEDULER_JOB_ID")  # fmt: skip
+
+
+def forwarded_env() -> dict[str, str]:
+    return {
+        k: v for k, v in os.environ.items()
+        if k.startswith(FORWARD_PREFIXES) and k not in NOT_FORWARDED
+        and not k.endswith("API_KEY")
+    }  # fmt: skip
+
+
+# -- what Ray says -------------------------------------------------------------------------
+
+
+def _read_code(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def exit_codes(rec: RayRecord) -> dict[str, int]:
+    """label → the runner's exit code, for the runners that ended."""
+    out = {}
+    for name in rec.actors:
+        label = name.rsplit("/", 1)[1]
+        code = _read_code(Path(rec.run_dir) / f"{label}.exit")
+        if code is not None:
+            out[label] = code
+    return out
+
+
+def dead_actors(rec: RayRecord) -> dict[str, str]:
+    """label → why Ray says its actor died, for the job's actors that are gone (not one
+    areal ended: those are recorded as stopped first)."""
+    states = cluster.actor_states(rec.actors)
+    out = {}
+    for name in rec.actors:
+        st = states.get(name)
+        label = name.rsplit("/", 1)[1]
+        if st is None:
+            if rec.state != "pending":
+                out[label] = "no longer known to the Ray cluster"
+        elif st.state == "DEAD":
+            out[label] = st.death or "dead"
+    return out
+
+
+def refresh(recs: list[RayRecord], home: Path) -> None:
+    """Bring live records up to date with the cluster (one call for all); a job whose actors
+    are all gone, or whose runners all ended, is finished. A cluster that does not answer
+    raises cluster.Unreachable before anything is written, removed or killed."""
+    for rec in recs:
+        fresh = records.read(records.path(home, rec.experiment, rec.trial, rec.kind))
+        if fresh is not None and fresh.job_id == rec.job_id:
+            rec.__dict__.update(fresh.__dict__)
+    live = [r for r in recs if r.live]
+    if not live:
+        return
+    cluster.connect(live[0].address)
+    for rec in live:
+        if rec.state == "stopping":
+            continue  # another areal is ending it
+        dead = dead_actors(rec)
+        codes = exit_codes(rec)
+        labels_ = [n.rsplit("/", 1)[1] for n in rec.actors]
+        # A Step outlives its runner: an actor that died was killed (areal's own stops
+        # record "stopping" first), whatever exit code its runner's end left behind.
+        killed = dict(dead)
+        if killed:
+            rec.reason = "; ".join(f"{lb}: {why}" for lb, why in sorted(killed.items()))
+        if killed and (rec.kind != "serve" or len(killed) == len(labels_)):
+            rec.state, rec.message = "killed", f"{KILLED_BY_RAY}: {rec.reason}"
+            teardown(rec, home, grace=2.0)
+            finish(rec, home)
+        elif len(codes) == len(labels_) or (
+            rec.kind != "serve"
+            and any(lb.startswith("torchrun") for lb in codes)
+            and all(codes.get(lb) == 0 for lb in labels_ if lb.startswith("torchrun"))
+        ):
+            bad = {lb: c for lb, c in codes.items() if c}
+            rec.state = "failed" if bad else "stopped"
+            rec.exit_code = next(iter(bad.values()), 0)
+            rec.message = rec.message or (
+                "; ".join(f"{lb} ended ({describe_exit(c)})" for lb, c in bad.items()) or "ended"
+            )
+            teardown(rec, home, grace=2.0)
+            finish(rec, home)
+        else:
+            for lb in killed:
+                if lb.startswith("server-"):
+                    reap_replica(rec, int(lb.split("-")[1]))
+            records.write(home, rec)
+
+
+def ended_replicas(rec: RayRecord) -> dict[int, tuple[int, str | None]]:
+    """Replicas whose runner ended while the job runs on: index → (code, its address)."""
+    out = {}
+    for label, code in exit_codes(rec).items():
+        if label.startswith("server-"):
+            i = int(label.split("-")[1])
+            out[i] = (code, _ready(rec, i).get("addr"))
+    return out
+
+
+def _ready(rec: RayRecord, i: int) -> dict:
+    try:
+        return json.loads((Path(rec.run_dir) / f"server-{i}.ready").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def reap_replica(rec: RayRecord, index: int) -> None:
+    """A replica whose actor Ray killed: its server (the actor's grandchild) still runs and
+    is still registered. Out of discovery, and ended on its node."""
+    from areal_cli.registry import open_registry
+
+    addr = _ready(rec, index).get("addr")
+    try:
+        reg = open_registry(rec.registry)
+        for e in reg.list(rec.experiment, rec.trial, include_dead=True).servers:
+            if e.managed and e.marker == rec.marker and e.addr == addr:
+                reg.deregister(rec.experiment, rec.trial, e.id, e.lease)
+    except (ArealError, OSError):
+        pass
+    node = rec.node_ids.get(f"server-{index}")
+    if node:
+        _on_nodes([node], "sweep", rec.marker, index)
+
+
+def _on_nodes(node_ids: list[str], what: str, *args, timeout: float = 30.0) -> dict[str, object]:
+    """Run actor.<what>(*args) as a task on each node (node affinity, no resources held)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from areal_cli.schedulers.ray import actor
+
+    alive = {n.node_id for n in cluster.nodes()}
+    fn = ray.remote(num_cpus=0, max_retries=0)(getattr(actor, what))
+    refs = {
+        nid: fn.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False)).remote(
+            *args
+        )
+        for nid in dict.fromkeys(node_ids)
+        if nid in alive
+    }
+    out: dict[str, object] = {}
+    ready, _ = cluster.wait_refs(list(refs.values()), timeout)
+    for nid, ref in refs.items():
+        if ref in ready:
+            try:
+                out[nid] = ray.get(ref)
+            except Exception as e:
+                out[nid] = e
+    return out
+
+
+def teardown(rec: RayRecord, home: Path, grace: float = 10.0) -> int:
+    """Every actor asked to stop its runner (SIGTERM, SIGKILL after `grace`), then killed,
+    the group removed, and what is left of the job on each of its nodes ended by its marker
+    (an actor's grandchildren outlive it). Returns the actors that were alive."""
+    import ray
+
+    handles, gone = {}, []
+    for name in rec.actors:
+        try:
+            handles[name] = ray.get_actor(name, namespace=cluster.NAMESPACE)
+        except ValueError:
+            gone.append(name)  # dead, or never created
+    # Each live actor ends what the job left on its node; where one is gone (killed from
+    # Ray's side), a task on that node does.
+    # One never placed runs nothing (and would answer only once placed): killed alone.
+    placed = {n for n in handles if n.rsplit("/", 1)[1] in rec.node_ids}
+    refs = {name: h.stop.remote(grace) for name, h in handles.items() if name in placed}
+    done, _ = cluster.wait_refs(list(refs.values()), grace + 10.0) if refs else ([], [])
+    for name, h in handles.items():
+        if name in refs and refs[name] not in done:
+            gone.append(name)
+        try:
+            ray.kill(h, no_restart=True)
+        except Exception:
+            pass
+    if rec.group:
+        try:
+            from ray.util import get_placement_group, remove_placement_group
+
+            remove_placement_group(get_placement_group(rec.group))
+        except (ValueError, Exception):
+            pass
+    # An actor never placed ran nothing; one placed has its node in the record.
+    swept = {rec.node_ids.get(n.rsplit("/", 1)[1]) for n in refs if n not in gone}
+    left = {rec.node_ids.get(n.rsplit("/", 1)[1]) for n in gone} - swept - {None}
+    if left:
+        _on_nodes(sorted(left), "sweep", rec.marker)
+    return len(handles)
+
+
+def finish(rec: RayRecord, home: Path) -> int:
+    """The job has ended: nothing of it in discovery or on this host; the record says how.
+    Returns the registry entries removed."""
+    from areal_cli import procs
+    from areal_cli.registry import open_registry
+
+    gone = 0
+    try:
+        gone = open_registry(rec.registry).deregister_job(rec.experiment, rec.trial, rec.marker)
+    except (ArealError, OSError):
+        pass
+    procs.kill_job(rec.marker, grace=3.0)
+    _resume_servers(rec)
+    records.write(home, rec)
+    return gone
+
+
+def _resume_servers(rec: RayRecord) -> None:
+    if rec.kind == "serve":
+        return
+    from areal_cli.schedulers.common import resume_left_paused
+    from areal_cli.spec import Plan
+
+    try:
+        plan = Plan.from_json(json.loads((Path(rec.run_dir) / PLAN_FILE).read_text()))
+    except (OSError, ValueError, TypeError):
+        return
+    resume_left_paused(plan)
+
+
+def cancel(rec: RayRecord, home: Path, timeout: float, reason: str) -> None:
+    rec.state, rec.message = "stopping", reason
+    records.write(home, rec)
+    cluster.connect(rec.address)
+    teardown(rec, home, grace=max(1.0, min(timeout, 30.0) - 2.0))
+    rec.state = "stopped"
+
+
+# -- watching one job from `areal` -----------------------------------------------------------
+
+
+def _follow(plan: RayPlan, on_line, stop: threading.Event) -> threading.Thread:
+    roles = (("server",) if plan.servers else ()) + (("rank", "torchrun") if plan.trainers else ())
+    follower = logfiles.Follower(Path(plan.log_dir), history=None, roles=roles)
+    for label, path in logfiles.select_logs(Path(plan.log_dir)).items():
+        try:
+            follower.offsets[label] = path.stat().st_size
+        except OSError:
+            pass
+
+    def loop() -> None:
+        while True:
+            stopping = stop.wait(0.05)
+            for label, line in follower.poll():
+                on_line(label, line)
+            if stopping:
+                return
+
+    t = threading.Thread(target=loop, name="log-follower", daemon=True)
+    t.start()
+    return t
+
+
+class Watch:
+    """Follows one job: placed → started → servers registered → its end."""
+
+    def __init__(self, plan: RayPlan, rec: RayRecord, home: Path, stop: threading.Event,
+                 on_event: EventFn | None = None, on_line=None, on_progress=None):  # fmt: skip
+        self.plan, self.rec, self.home, self.stop = plan, rec, home, stop
+        self.on_event = on_event or (lambda kind, info: None)
+        self.on_progress = on_progress or (lambda text: None)
+        self.run = Path(plan.run_dir)
+        self.stop_code = 130
+        self.actors: dict = {}
+        self.group = None
+        self.where: dict[str, dict] = {}
+        self.ready: dict[int, dict] = {}
+        self.lost: set[int] = set()
+        self._follow_stop = threading.Event()
+        self._follower = _follow(plan, on_line, self._follow_stop) if on_line else None
+        self._checked = 0.0
+
+    # -- phases ---------------------------------------------------------------------------
+
+    def until_ready(self) -> None:
+        import ray
+
+        deadline = time.monotonic() + self.plan.health_timeout
+        self.actors, self.group = create(self.plan)
+        self._placed(deadline)
+        endpoint = None
+        trainers = sorted(lb for lb in self.actors if lb.startswith("torchrun-"))
+        if len(trainers) > 1:
+            endpoint = ray.get(self.actors["torchrun-0"].endpoint.remote(), timeout=30)
+        env = {**forwarded_env(), "AREAL_HOME": self.plan.home}
+        starts = [a.start.remote(runner_argv(self.plan, lb, endpoint), env)
+                  for lb, a in self.actors.items()]  # fmt: skip
+        ray.get(starts, timeout=60)
+        self.rec.state = "starting" if self.plan.servers else "running"
+        records.write(self.home, self.rec)
+        nodes = sorted({w["ip"] for w in self.where.values()})
+        self.on_event("submitted", {"what": f"Ray job {self.rec.job_id} on {', '.join(nodes)}",
+                                    "job_id": self.rec.job_id})  # fmt: skip
+        n = len(self.plan.servers)
+        deadline = time.monotonic() + self.plan.health_timeout + 30.0
+        while len(self.ready) < n:
+            self._check_stop()
+            self._read_ready()
+            failed = next((i for i in range(n) if i not in self.ready
+                           and self._exit_code(f"server-{i}") is not None), None)  # fmt: skip
+            if failed is not None:
+                self._fail(failed)
+            self._check_actors()
+            if time.monotonic() > deadline:
+                self._cancel("not ready in time")
+                raise WaitTimeout(
+                    f"{n - len(self.ready)} server(s) of Ray job {self.rec.job_id} not "
+                    f"registered after {self.plan.health_timeout:g}s",
+                    hint=f"areal logs {self.rec.name} --role server",
+                )
+            if len(self.ready) < n:
+                time.sleep(0.05)
+        if n:
+            self.rec.state = "running"
+            records.write(self.home, self.rec)
+            self.on_event("ready", {"servers": [self.ready[i]["addr"] for i in sorted(self.ready)]})
+
+    def _placed(self, deadline: float) -> None:
+        """Until Ray placed every actor (the group first: all its bundles or none). What it
+        cannot place within the health timeout is named, with what each node has free, and
+        the job removed: exit 3."""
+        import ray
+
+        pending = {lb: a.where.remote() for lb, a in self.actors.items()}
+        group_ready = self.group.ready() if self.group is not None else None
+        while pending:
+            self._check_stop()
+            refs = list(pending.values()) + ([group_ready] if group_ready is not None else [])
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0.2)
+            for lb, ref in list(pending.items()):
+                if ref in done:
+                    try:
+                        self.where[lb] = ray.get(ref)
+                    except Exception as e:
+                        self._cancel("an actor failed to start")
+                        raise LaunchError(f"{lb}'s actor failed on the Ray cluster: {e}") from None
+                    self.rec.node_ids[lb] = self.where[lb]["node_id"]
+                    self.rec.nodes = sorted({w["ip"] for w in self.where.values()})
+                    del pending[lb]
+            if group_ready is not None and group_ready in done:
+                group_ready = None
+            if not pending:
+                break
+            waiting = sorted(pending)
+            self.on_progress(f"Ray job {self.rec.job_id}: waiting for resources for "
+                             f"{', '.join(waiting)}")  # fmt: skip
+            if time.monotonic() > deadline:
+                free = "; ".join(n.describe() for n in cluster.nodes())
+                need = []
+                if group_ready is not None:
+                    t = self.plan.trainers[0]
+                    need.append(f"the training placement group ({t.nodes} bundle(s) of "
+                                f"{cluster.words(t.resources)}, {self.plan.strategy})")  # fmt: skip
+                need += [f"{lb} ({cluster.words(s.resources)})" for s in self.plan.servers
+                         if (lb := f"server-{s.index}") in pending]  # fmt: skip
+                self._cancel("not placed in time")
+                raise WaitTimeout(
+                    f"Ray could not place {' and '.join(need)} within "
+                    f"{self.plan.health_timeout:g}s; free now: {free}",
+                    hint="other jobs hold what it needs (`ray status`); stop them, ask for "
+                    "less, or raise --health-timeout",
+                )
+        records.write(self.home, self.rec)
+
+    def until_end(self) -> int:
+        """Follow the job to its end (a stop tears it down). 0 when training ended well."""
+        while True:
+            self._check_stop()
+            self._check_actors()
+            trainers = [lb for lb in self.actors if lb.startswith("torchrun-")]
+            codes = {lb: self._exit_code(lb) for lb in trainers}
+            if trainers:
+                bad = {lb: c for lb, c in codes.items() if c}
+                if bad or all(c == 0 for c in codes.values()):
+                    return self._trainers_ended(codes)
+            for i in sorted(set(self.ready) - self.lost):
+                code = self._exit_code(f"server-{i}")
+                if code is not None:
+                    self.lost.add(i)
+                    self.on_event(
+                        "server_lost",
+                        {"label": f"server-{i}", "addr": self.ready[i]["addr"],
+                         "why": describe_exit(code),
+                         "tail": logfiles.tail(self.plan.servers[i].log_path, 20)},
+                    )  # fmt: skip
+            if not trainers and self.plan.servers and len(self.lost) == len(self.plan.servers):
+                self._end("every server exited")
+                p = self.plan.servers[0]
+                raise LaunchError(
+                    "every server exited (no replica left)",
+                    detail=tail_text(p.log_path),
+                    hint=f"full log: {p.log_path}",
+                )
+            self.stop.wait(0.3)
+
+    def close(self) -> None:
+        self._follow_stop.set()
+        if self._follower is not None:
+            self._follower.join(timeout=2)
+
+    # -- pieces ---------------------------------------------------------------------------
+
+    def _exit_code(self, label: str) -> int | None:
+        return _read_code(self.run / f"{label}.exit")
+
+    def _read_ready(self) -> None:
+        for i in range(len(self.plan.servers)):
+            if i in self.ready:
+                continue
+            try:
+                info = json.loads((self.run / f"server-{i}.ready").read_text())
+            except (OSError, ValueError):
+                continue
+            self.ready[i] = info
+            self.on_event("healthy", {"label": f"server-{i}", "addr": info["addr"],
+                                      "node": info.get("node")})  # fmt: skip
+            self.on_progress(f"{len(self.ready)}/{len(self.plan.servers)} server(s) registered")
+
+    def _check_actors(self) -> None:
+        """An actor that died was killed from Ray's side (`ray kill`, its node lost; a Step
+        outlives its runner): the job ends, saying so."""
+        if time.monotonic() - self._checked < 1.0:
+            return
+        self._checked = time.monotonic()
+        dead = dead_actors(self.rec)
+        if not dead:
+            return
+        self._check_stop()  # an `areal stop` elsewhere kills actors too: that is no fault
+        what = "; ".join(f"{lb} on {self.where.get(lb, {}).get('ip', '?')}: {why}"
+                         for lb, why in sorted(dead.items()))  # fmt: skip
+        self.rec.state, self.rec.message = "killed", f"{KILLED_BY_RAY}: {what}"
+        self.close()
+        teardown(self.rec, self.home, grace=2.0)
+        finish(self.rec, self.home)
+        raise LaunchError(f"Ray job {self.rec.job_id}: actor {what} ({KILLED_BY_RAY})",
+                          hint=f"`areal logs {self.rec.name}` shows how far it got")  # fmt: skip
+
+    def _fail(self, i: int) -> None:
+        code = self._exit_code(f"server-{i}")
+        p = self.plan.servers[i]
+        self._cancel(f"server-{i} failed while starting")
+        if code == EXIT_TIMEOUT:
+            raise WaitTimeout(
+                f"server-{i} not healthy after {self.plan.health_timeout:g}s",
+                detail=tail_text(p.log_path),
+                hint=f"raise --health-timeout for big models, or read the log: {p.log_path}",
+            )
+        raise LaunchError(
+            f"server-{i} failed while starting: {describe_exit(code)}",
+            detail=tail_text(p.log_path),
+            hint=f"full log: {p.log_path}",
+        )
+
+    def _check_stop(self) -> None:
+        if self.stop.is_set():
+            self.on_event("stopping", {"state": "stopped"})
+            self._cancel("interrupted" if self.stop_code == 130 else "terminated")
+            raise Stopped(self.stop_code)
+        on_disk = records.read(records.path(self.home, self.rec.experiment, self.rec.trial,
+                                            self.rec.kind))  # fmt: skip
+        if (
+            on_disk is not None
+            and on_disk.job_id == self.rec.job_id
+            and on_disk.state in ("stopping", "stopped")
+            and on_disk.message == STOPPED_BY_AREAL
+        ):
+            # `areal stop` from elsewhere: it tears the job down; this areal reports it.
+            self.close()
+            self.rec.__dict__.update(on_disk.__dict__)
+            self.on_event("stopping", {"state": "stopped"})
+            raise Stopped(143)
+
+    def _cancel(self, reason: str) -> None:
+        self.close()
+        cancel(self.rec, self.home, 30.0, reason)
+        finish(self.rec, self.home)
+
+    def _end(self, why: str) -> None:
+        self.close()
+        self.rec.state, self.rec.message = "failed", why
+        teardown(self.rec, self.home, grace=5.0)
+        finish(self.rec, self.home)
+
+    def _trainers_ended(self, codes: dict[str, int | None]) -> int:
+        bad = {lb: c for lb, c in codes.items() if c}
+        # One node's torchrun failing ends the others (root cause first, no silent hang).
+        self.close()
+        self.rec.state = "failed" if bad else "stopped"
+        self.rec.exit_code = next(iter(bad.values()), 0)
+        code = self.rec.exit_code
+        try:
+            teardown(self.rec, self.home, grace=5.0)
+            self.on_event("trainer_exit", {"label": "torchrun", "code": code})
+            if not bad:
+                self.rec.message = "ended"
+                return 0
+            err = self._trainer_failure(code)
+            self.rec.message, self.rec.detail = err.message, err.detail
+            raise err
+        finally:
+            finish(self.rec, self.home)
+
+    def _trainer_failure(self, code: int) -> LaunchError:
+        log_dir = Path(self.plan.log_dir)
+        logs = sorted(str(p) for p in log_dir.glob("torchrun-*.log"))
+        rank, rank_code, died_of, hint, node = explain_failure(log_dir, logs)
+        if rank is None:
+            log = logs[0] if logs else str(self.run / "torchrun-0.out")
+            return LaunchError(f"torchrun failed: {describe_exit(code)}",
+                               detail=tail_text(log), hint=f"full log: {log}")  # fmt: skip
+        where = f" on node {node}" if node else ""
+        log = str(log_dir / f"rank-{rank}.log")
+        died_of = f"; {died_of}" if died_of else ""
+        return LaunchError(
+            f"rank-{rank}{where} failed: "
+            f"{describe_exit(rank_code if rank_code is not None else code)}{died_of}",
+            detail=tail_text(log),
+            hint=f"full log: {log}" + (f"; {hint}" if hint else ""),
+        )

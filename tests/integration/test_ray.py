@@ -1,0 +1,232 @@
+"""`--scheduler ray` on a real two-node Ray cluster of this host (tests/ray_cluster.py: head at
+127.0.0.2, a worker at 127.0.0.3, token auth on, one cluster for the session): serve, ps,
+logs, stop leaving nothing on Ray or the host, training over both nodes (GRPO's reward
+rising), a job killed from Ray's side, placement groups that can never or not now be placed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.helpers import FAKE_PYTHON, REPO, areal
+
+TRAIN = str(REPO / "templates" / "grpo" / "train.py")
+CONFIG = str(REPO / "templates" / "grpo" / "tiny_cpu.yaml")
+
+pytestmark = pytest.mark.usefixtures("ray_env")
+
+# Asks the cluster, from a driver of its own, what areal left on it.
+_STATE = """
+import json, logging, sys, ray
+ray.init(address=sys.argv[1], logging_level=logging.ERROR, log_to_driver=False)
+from ray._private import state
+actors = [a["Name"] for a in state.actors().values()
+          if a.get("State") != "DEAD" and a["Name"].startswith("areal-")]
+groups = [g["name"] for g in ray.util.placement_group_table().values()
+          if g["state"] != "REMOVED" and g["name"].startswith("areal-")]
+print(json.dumps({"actors": actors, "groups": groups}))
+"""
+
+
+def ray_left(cluster) -> dict:
+    res = subprocess.run([sys.executable, "-c", _STATE, cluster.address], capture_output=True,
+                         text=True, timeout=60, check=True)  # fmt: skip
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def marked(marker: str) -> list[psutil.Process]:
+    from areal_cli import procs
+
+    return procs.find_marked(marker)
+
+
+def ps_json(*extra) -> list[dict]:
+    return json.loads(areal("ps", "--json", *extra, check=0).stdout)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from areal_cli.modelgen import create_tiny_model
+
+    return create_tiny_model(tmp_path_factory.mktemp("m") / "tiny", seed=0)
+
+
+def test_serve_on_two_nodes_ps_logs_stop_leaves_nothing(ray_cluster, tiny, areal_env):
+    home, reg = areal_env
+    res = areal("serve", "--scheduler", "ray", "--backend", "hf", "--model", str(tiny),
+                "--alloc", "hf:d2", "--python", FAKE_PYTHON, "--detach", "--json",
+                check=0, timeout=180)  # fmt: skip
+    out = json.loads(res.stdout)
+    servers = out["servers"]
+    assert len(servers) == 2
+    # Each replica binds its own node's address and registers with that node.
+    for s in servers:
+        host = s["addr"].rsplit(":", 1)[0]
+        assert host in ray_cluster.nodes and s["node"] == host
+    marker = out["marker"]
+    try:
+        jobs = ps_json()
+        (job,) = [j for j in jobs if j["scheduler"] == "ray"]
+        assert job["state"] == "running" and job["kind"] == "serve"
+        assert all(s["healthy"] for s in job["servers"])
+        assert set(job["nodes"]) <= set(ray_cluster.nodes)
+        # A CPU actor gets no GPU: the server's environment says so (Ray sets nothing).
+        for s in servers:
+            env = psutil.Process(s["pid"]).environ()
+            assert env["CUDA_VISIBLE_DEVICES"] == ""
+            assert env["AREAL_JOB_MARKER"] == marker and env["AREAL_NODE_NAME"] == s["node"]
+        logs = areal("logs", "default/trial0", "--role", "server", "-n", "5", check=0).stdout
+        assert "[server-0]" in logs and "[server-1]" in logs
+        left = ray_left(ray_cluster)
+        assert len([a for a in left["actors"] if a.startswith(marker)]) == 2
+    finally:
+        stop = areal("stop", "default/trial0", check=0, timeout=120)
+    assert "Ray job" in stop.stdout
+    assert marked(marker) == []  # the servers and their grandchildren
+    left = ray_left(ray_cluster)
+    assert not [a for a in left["actors"] if a.startswith(marker)]
+    from areal_cli.registry import open_registry
+
+    assert open_registry(str(reg)).list("default", "trial0").servers == []
+    (job,) = [j for j in ps_json("--all") if j["scheduler"] == "ray"]
+    assert job["state"] == "stopped"
+
+
+def test_combined_grpo_learns_over_both_nodes(ray_cluster, tiny, areal_env):
+    """hf:d1+fsdp:d2 over two nodes: one server actor, a placement group of two one-CPU
+    bundles (STRICT_SPREAD), a torchrun on each node meeting on the first."""
+    home, _ = areal_env
+    steps = 12
+    res = areal("train", "--scheduler", "ray", "--alloc", "hf:d1+fsdp:d2", "--nnodes", "2",
+                "--model", str(tiny), TRAIN, "--config", CONFIG, f"steps={steps}",
+                check=0, timeout=400)  # fmt: skip
+    assert "training finished with exit code 0" in res.stderr
+    logs = home / "logs" / os.environ.get("USER", "root") / "default" / "trial0"
+    # One torchrun per Ray node, each named by its node.
+    assert {p.name for p in logs.glob("torchrun-*.log")} == {
+        f"torchrun-{n}.log" for n in ray_cluster.nodes
+    }
+    rows = [json.loads(x) for x in (logs / "metrics.jsonl").read_text().splitlines() if x]
+    assert [r["step"] for r in rows] == list(range(steps))
+    rewards = [r["reward_mean"] for r in rows]
+    assert sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5 >= 0.2, rewards
+    (job,) = [j for j in ps_json("--all") if j["scheduler"] == "ray"]
+    assert job["state"] == "stopped" and job["kind"] == "serve+train"
+    assert marked(job["marker"]) == []
+    assert not [a for a in ray_left(ray_cluster)["actors"] if a.startswith(job["marker"])]
+    assert not ray_left(ray_cluster)["groups"]
+
+
+_KILL = """
+import logging, sys, ray
+ray.init(address=sys.argv[1], namespace="areal", logging_level=logging.ERROR, log_to_driver=False)
+ray.kill(ray.get_actor(sys.argv[2]))
+"""
+
+
+def test_actor_killed_from_ray_side_shows_in_ps(ray_cluster, tiny, areal_env):
+    out = json.loads(areal("serve", "--scheduler", "ray", "--backend", "hf", "--model",
+                           str(tiny), "--python", FAKE_PYTHON, "--detach", "--json",
+                           check=0, timeout=180).stdout)  # fmt: skip
+    marker, (server,) = out["marker"], out["servers"]
+    try:
+        subprocess.run([sys.executable, "-c", _KILL, ray_cluster.address, f"{marker}/server-0"],
+                       check=True, timeout=60)  # fmt: skip
+        # Killing the actor killed its child (the replica runner), not the server below it.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            (job,) = [j for j in ps_json("--all") if j["scheduler"] == "ray"]
+            if job["state"] != "running":
+                break
+            time.sleep(0.5)
+        assert job["state"] == "killed", job
+        assert "killed from Ray's side" in job["message"] and "ray.kill" in job["message"]
+        # ps concluded the job: what Ray left running of it is gone, and out of discovery.
+        assert (
+            not psutil.pid_exists(server["pid"]) or not psutil.Process(server["pid"]).is_running()
+        )
+        assert marked(marker) == []
+        from areal_cli.registry import open_registry
+
+        assert open_registry(str(areal_env[1])).list("default", "trial0").servers == []
+    finally:
+        areal("stop", "default/trial0", check=0, timeout=120)
+
+
+def test_placement_no_node_could_hold_exits_2_at_once(ray_cluster, areal_env, tmp_path):
+    script = tmp_path / "t.py"
+    script.write_text("print('never runs')\n")
+    t0 = time.monotonic()
+    # Two ranks per node at most (a node has 2 CPUs): six ranks want three nodes.
+    res = areal("train", "--scheduler", "ray", "--alloc", "fsdp:d6", "--servers", "none",
+                str(script), check=2, timeout=60)  # fmt: skip
+    assert time.monotonic() - t0 < 30
+    assert "3 node(s) with 2 CPU each (STRICT_SPREAD)" in res.stderr
+    assert "127.0.0.3 (CPU 2/2 free)" in res.stderr and "Traceback" not in res.stderr
+    res = areal("train", "--scheduler", "ray", "--alloc", "fsdp:d3", "--nnodes", "3",
+                "--servers", "none", str(script), check=2, timeout=60)  # fmt: skip
+    assert "3 node(s) with 1 CPU each (STRICT_SPREAD)" in res.stderr
+    assert "has 2 such node(s)" in res.stderr
+
+
+_HOLD = """
+import logging, sys, time, ray
+from ray.util.placement_group import placement_group
+ray.init(address=sys.argv[1], logging_level=logging.ERROR, log_to_driver=False)
+pg = placement_group([{"CPU": 2}, {"CPU": 2}], strategy="STRICT_SPREAD")
+ray.get(pg.ready())
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_placement_taken_by_others_exits_3_naming_what_is_missing(ray_cluster, areal_env,
+                                                                  tmp_path):  # fmt: skip
+    script = tmp_path / "t.py"
+    script.write_text("print('never runs')\n")
+    # Another driver holds every CPU of both nodes (its group goes when it exits).
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, ray_cluster.address],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        res = areal("train", "--scheduler", "ray", "--alloc", "fsdp:d2", "--nnodes", "2",
+                    "--health-timeout", "3", "--servers", "none", str(script),
+                    check=3, timeout=90)  # fmt: skip
+        assert time.monotonic() - t0 < 40
+        assert "could not place the training placement group (2 bundle(s) of 1 CPU" in res.stderr
+        assert "127.0.0.2 (CPU 0/2 free)" in res.stderr
+        left = ray_left(ray_cluster)
+        assert not left["groups"] and not [a for a in left["actors"] if a.startswith("areal-")]
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+
+
+def test_no_cluster_given_is_a_usage_error(areal_env, monkeypatch, tmp_path):
+    monkeypatch.delenv("RAY_ADDRESS")
+    script = tmp_path / "t.py"
+    script.write_text("")
+    res = areal("train", "--scheduler", "ray", "--alloc", "fsdp:d1", "--servers", "none",
+                str(script), check=2)  # fmt: skip
+    assert "no Ray cluster given" in res.stderr and "RAY_ADDRESS" in res.stderr
+
+
+def test_cluster_refuses_a_client_without_its_token(ray_cluster, areal_env, monkeypatch, tmp_path):
+    bad = tmp_path / "token"
+    bad.write_text("not-the-token")
+    bad.chmod(0o600)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(bad))
+    script = tmp_path / "t.py"
+    script.write_text("")
+    res = areal("train", "--scheduler", "ray", "--alloc", "fsdp:d1", "--servers", "none",
+                str(script), check=2, timeout=60)  # fmt: skip
+    assert "refused areal's connection" in res.stderr and "RAY_AUTH_TOKEN_PATH" in res.stderr
+    assert "not-the-token" not in res.stderr + res.stdout
