@@ -6,7 +6,7 @@ TORCH   ?= torch==2.13.0
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install demo test lint format bench clean
+.PHONY: install demo test test-engines engines lint format bench clean
 
 install: $(STAMP)
 
@@ -20,9 +20,20 @@ demo: install
 	bash scripts/demo.sh
 
 # Three workers on two cores: many tests wait on processes. Bytecode is cached (whatever
-# PYTHONDONTWRITEBYTECODE says) because the tests start hundreds of interpreters.
+# PYTHONDONTWRITEBYTECODE says) because the tests start hundreds of interpreters. The real
+# engines' tier is `make test-engines`.
 test: install lint
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 3 --dist loadfile
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 3 --dist loadfile -m "not engines"
+
+# The CPU builds of SGLang 0.5.23 and vLLM 0.32 in $$AREAL_ENGINES (default
+# /var/cache/areal-engines), outside the checkout so every checkout on the machine reuses them.
+engines:
+	bash scripts/engines.sh
+
+# The real engines under `areal serve`, one engine server at a time (each takes ~2.7 GB and
+# most of the cores while it loads). Skips without `make engines`; AREAL_REQUIRE_ENGINES=1 fails.
+test-engines: install
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -m engines tests/engines tests/conformance
 
 lint: install
 	$(BIN)/ruff check .

@@ -206,3 +206,15 @@ def test_serve_without_gpus_names_what_to_install(tmp_path):
                 sys.executable, env={"CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert "cannot import" in res.stderr and "make engines" in res.stderr
+
+
+def test_a_generated_key_never_looks_like_a_flag(monkeypatch):
+    # SGLang gets its key back on argv (server_args_config_parser.py `_add_scalar_arg`:
+    # ["--api-key", value]); argparse takes "-..." for a flag and the server exits 2.
+    import secrets
+
+    from areal_cli.schedulers.common import resolve_api_key
+
+    draws = iter(["-starts-with-a-dash", "_fine-key"])
+    monkeypatch.setattr(secrets, "token_urlsafe", lambda n: next(draws))
+    assert resolve_api_key("auto") == "_fine-key"

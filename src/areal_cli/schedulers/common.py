@@ -45,7 +45,11 @@ def resolve_api_key(flag: str) -> str | None:
     if flag == "none":
         return None
     if flag == "auto":
-        return secrets.token_urlsafe(24)
+        # SGLang reads its key back as a command-line value (sglang_launch): one that starts
+        # with "-" is taken for a flag ("--api-key: expected one argument").
+        while (key := secrets.token_urlsafe(24)).startswith("-"):
+            pass
+        return key
     return flag
 
 

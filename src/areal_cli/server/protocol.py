@@ -104,8 +104,9 @@ def _int(v: Any) -> int:
 
 
 def _float(v: Any) -> float:
+    # A JSON integer stays an int, as in the engine: its messages say "got -1.", not "-1.0."
     if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return float(v)
+        return v
     raise _invalid(v, "f64")
 
 

@@ -1,0 +1,131 @@
+"""Real SGLang 0.5.23 (its CPU engine) under `areal serve`: what the client and the weight
+sync do against the hf stand-in, they do against the engine.
+
+One server for the module (`areal serve --detach --python <venv>`, an API key as by
+default); the last test stops it with `areal stop` and checks that nothing is left. Paths
+in comments are relative to the sglang package of the engine's venv.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from areal_cli.modelgen import create_tiny_model
+from tests.engines.engines import EngineServer, transformers_logprobs
+
+pytestmark = pytest.mark.engines
+
+HERE = Path(__file__).resolve().parent
+PROMPT = [72, 101, 108, 108, 111]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return create_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def others(tmp_path_factory) -> list[Path]:
+    """Same shape, other weights: what the trainer sends."""
+    root = tmp_path_factory.mktemp("others")
+    return [create_tiny_model(root / f"seed{i}", seed=i) for i in (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def sglang(model, tmp_path_factory):
+    srv = EngineServer.start("sglang", model, tmp_path_factory.mktemp("sglang"))
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def trainer(srv: EngineServer, model: Path, method: str, version: str, tmp: Path, shift=0.0):
+    cmd = [sys.executable, str(HERE / "engine_trainer.py"), "--model", str(model),
+           "--server", srv.addr, "--backend", "sglang", "--method", method,
+           "--version", version, "--weights-dir", str(tmp), "--shift", str(shift)]  # fmt: skip
+    env = {**os.environ, "ENGINE_KEY": srv.key or "", "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def greedy(srv: EngineServer) -> list[int]:
+    status, body = srv.post("/generate", {"input_ids": PROMPT, "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0}})  # fmt: skip
+    assert status == 200, body
+    return body["output_ids"]
+
+
+def test_served_by_its_cpu_engine_and_ready_only_after_a_first_generation(sglang):
+    log = sglang.log()
+    # srt/utils/common.py:221-224: the CPU engine, chosen by SGLANG_USE_CPU_ENGINE=1.
+    assert "'device': 'cpu'" in log and "'attention_backend': 'torch_native'" in log
+    # Readiness: /health, then one tiny generation (backends.SGLang.first_request), then
+    # the registration.
+    first = log.index("POST /generate")
+    assert log.index("[replica]") > first and "registered" in log[first:]
+    print(f"\nsglang: areal serve ready in {sglang.seconds_to_ready:.1f} s")
+
+
+def test_the_api_key_guards_all_but_the_probes(sglang):
+    # srt/utils/auth.py:96-103 (health, ready, metrics open), :192-203 (401 otherwise).
+    assert sglang.get("/model_info", headers={"Authorization": "Bearer wrong"})[0] == 401
+    assert sglang.get("/health", headers={"Authorization": ""})[0] == 200
+    assert sglang.get("/model_info")[0] == 200
+
+
+def test_logprobs_match_transformers_on_the_same_weights(sglang, model):
+    from areal_cli.worker.rollout import RolloutClient
+
+    async def main():
+        async with RolloutClient([sglang.addr], backend="sglang", api_key=sglang.key) as c:
+            return await c.generate(PROMPT, max_new_tokens=8, temperature=1.0, seed=3)
+
+    out = asyncio.run(asyncio.wait_for(main(), 120))
+    assert len(out.output_ids) == 8 and out.weight_version == "default"
+    want = transformers_logprobs(model, PROMPT, out.output_ids)
+    # float32 on both sides (--dtype float32): the same numbers up to summation order.
+    assert out.logprobs == pytest.approx(want, abs=1e-4)
+
+
+def test_disk_sync_moves_weights_and_version(sglang, others, tmp_path):
+    line = trainer(sglang, others[0], "disk", "d1", tmp_path)
+    assert line["ok"], line
+    # srt/managers/tokenizer_manager.py:2313-2318: the version given with the update.
+    assert sglang.get("/model_info")[1]["weight_version"] == "d1"
+    assert greedy(sglang) == line["expected"]
+
+
+def test_distributed_sync_over_gloo_moves_weights_and_version(sglang, model, others, tmp_path):
+    # srt/entrypoints/http_server.py init_weights_update_group / update_weights_from_distributed:
+    # on CPU the group is gloo; the trainer broadcasts each tensor.
+    line = trainer(sglang, others[1], "distributed", "g1", tmp_path)
+    assert line["ok"], line
+    assert sglang.get("/model_info")[1]["weight_version"] == "g1"
+    assert greedy(sglang) == line["expected"]
+    again = trainer(sglang, model, "distributed", "g2", tmp_path, shift=0.01)
+    assert again["ok"] and greedy(sglang) == again["expected"] != line["expected"], again
+
+
+def test_ps_logs_and_stop_leave_nothing(sglang):
+    ps = sglang.areal("ps", "--json")
+    assert ps.returncode == 0, ps.stderr
+    (job,) = [j for j in json.loads(ps.stdout) if j["name"] == sglang.name]
+    # SGLang's /health answers after 1 s (srt/entrypoints/http_server.py:777-779): ps waits.
+    assert [(s["addr"], s["healthy"]) for s in job["servers"]] == [(sglang.addr, True)], job
+    logs = sglang.areal("logs", sglang.name, "--role", "server", "--lines", "100000")
+    assert logs.returncode == 0 and "[server-0]" in logs.stdout
+    assert "The server is fired up and ready to roll!" in logs.stdout
+    assert sglang.processes()
+    stop = sglang.stop()
+    assert stop.returncode == 0, stop.stderr
+    assert sglang.processes() == []
+    assert "stopped" in stop.stdout + stop.stderr
