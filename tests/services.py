@@ -23,7 +23,9 @@ Fixtures
 
 Markers `slurm`, `etcd` and `ray` (added to every test that uses these fixtures) skip when the packages
 are missing, and fail instead when AREAL_REQUIRE_SLURM=1 / AREAL_REQUIRE_ETCD=1 /
-AREAL_REQUIRE_RAY=1.
+AREAL_REQUIRE_RAY=1. Marker `engines` (tests/engines/, and the conformance tests' real-SGLang
+runs) does the same for the real engines' CPU builds (`make engines`), with
+AREAL_REQUIRE_ENGINES=1.
 
 The daemons run with a clean environment (no AREAL_HOME), so the leak check never counts them;
 each fixture stops, by pid, only what it started.
@@ -128,6 +130,13 @@ def etcd_missing() -> str | None:
     return None
 
 
+def engines_missing() -> str | None:
+    from tests.engines.engines import missing
+
+    reasons = [r for r in (missing("sglang"), missing("vllm")) if r]
+    return "; ".join(reasons) or None
+
+
 SERVICES = {
     # marker: (fixtures that imply it, why-missing check, variable that turns a skip into a failure)
     "slurm": (
@@ -137,6 +146,7 @@ SERVICES = {
     ),
     "etcd": ({"etcd_server", "etcd", "etcd_factory"}, etcd_missing, "AREAL_REQUIRE_ETCD"),
     "ray": ({"ray_cluster", "ray_env"}, lambda: ray_missing(), "AREAL_REQUIRE_RAY"),
+    "engines": (set(), engines_missing, "AREAL_REQUIRE_ENGINES"),
 }
 
 
