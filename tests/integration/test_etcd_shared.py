@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -251,3 +252,21 @@ def test_stop_on_a_read_only_registry_says_no_entry_was_removed(model, tmp_path,
     finally:
         areal("stop", "default/trial0")
         subprocess.run(["umount", "-l", str(reg)], check=False)
+
+
+def test_a_slurm_jobs_end_names_the_entries_an_unreachable_registry_kept(tmp_path):
+    from areal_cli.schedulers.slurm import job, records
+
+    with socket.socket() as s:  # a port nothing listens on: etcd refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"etcd://127.0.0.1:{port}?connect_timeout=0.5&timeout=0.5"
+    rec = records.SlurmRecord(
+        experiment="default", trial="trial0", kind="serve", job_id="7", marker="areal-x",
+        state="stopped", submitted=time.time(), log_dir=str(tmp_path), registry=url,
+        run_dir=str(tmp_path),
+    )  # fmt: skip
+    left: list[str] = []
+    assert job.finish(rec, tmp_path / "home", None, left) == 0
+    (why,) = left
+    assert why.startswith(f"the job's registry entries in {url} were not removed (etcd at")

@@ -281,9 +281,11 @@ class SlurmScheduler(Scheduler):
         info = None
         if was_running:
             info = job.cancel(rec, self.home, timeout, job.STOPPED_BY_AREAL)
-        deregistered = job.finish(rec, self.home, info)
+        left: list[str] = []
+        deregistered = job.finish(rec, self.home, info, left)
         cancelled = f"Slurm job {rec.job_id}" if was_running else None
-        return StopResult(rec.name, was_running, int(was_running), deregistered, cancelled)
+        return StopResult(rec.name, was_running, int(was_running), deregistered, cancelled,
+                          left=left)  # fmt: skip
 
 
 def _replica_order(rec) -> dict[str, int]:

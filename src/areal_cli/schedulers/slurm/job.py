@@ -240,9 +240,12 @@ def update(rec: SlurmRecord, info: cluster.JobInfo) -> None:
         rec.started = float(info.start_time)
 
 
-def finish(rec: SlurmRecord, home: Path, info: cluster.JobInfo | None) -> int:
+def finish(
+    rec: SlurmRecord, home: Path, info: cluster.JobInfo | None, left: list[str] | None = None
+) -> int:
     """The job has ended: nothing of it stays in discovery, nothing of it runs on this host,
-    the record says how it ended. Returns the registry entries removed."""
+    the record says how it ended. Returns the registry entries removed; what could not be
+    removed is told in `left`."""
     from areal_cli.registry import open_registry
 
     if info is not None and rec.message is None:
@@ -253,8 +256,11 @@ def finish(rec: SlurmRecord, home: Path, info: cluster.JobInfo | None) -> int:
     gone = 0
     try:
         gone = open_registry(rec.registry).deregister_job(rec.experiment, rec.trial, rec.marker)
-    except (ArealError, OSError):
-        pass  # the entries' leases run out anyway
+    except (ArealError, OSError) as e:
+        if left is not None:  # the entries' leases (or heartbeats) run out anyway
+            why = getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
+            left.append(f"the job's registry entries in {rec.registry} were not removed "
+                        f"({why}); they expire with their lease or heartbeat (the TTL)")  # fmt: skip
     sweep(rec.marker)
     _resume_servers(rec)
     records.write(home, rec)
