@@ -179,8 +179,12 @@ class Watchdog:
         seen: dict[int, tuple] = {}
         job = None
         while not self.stop.wait(self.tick):
-            if job is None or any(_gone(r.pid) for r in job.ranks):
-                job = self.ranks()  # ranks start late and restart: find them again
+            if (
+                job is None
+                or len(job.ranks) < len(job.expected_local_ranks())
+                or any(_gone(r.pid) for r in job.ranks)
+            ):
+                job = self.ranks()  # ranks start one by one, and restart: find them again
                 if job is None or not job.ranks:
                     clock.update(True, time.monotonic())  # nothing to watch is no stall
                     continue
@@ -189,6 +193,7 @@ class Watchdog:
             seen = looks
             now = time.monotonic()
             if clock.update(any_moved, now) and not self.stop.is_set():
+                job = self.ranks() or job  # as they are now
                 stall = self._diagnose(job, now - clock.last_progress, clock.last_progress)
                 self.stalls.append(stall)
                 try:
