@@ -22,6 +22,9 @@ Examples:
   areal doctor allreduce --nproc 8       # busbw per size, hang-checked
   areal doctor check                     # is this host ready?
   areal doctor mesh --alloc fsdp:d2t2    # which rank sits where
+  areal doctor diverge --job myexp/trial0   # do the replicas agree?
+  areal doctor memory --job myexp/trial0    # per rank, beside the limits
+  areal doctor profile --job myexp/trial0 -o ./prof   # flame graphs, straggler
 """,
     no_args_is_help=True,
 )
@@ -800,3 +803,9 @@ def _render_why(rep, name: str | None) -> None:
                 " (the same failure)" if e.caused_by and e.caused_by.startswith("the same") else ""
             )
             out.print(f"  {escape(who):<{width}} {e.kind:<19} {escape(msg)}{same}")
+
+
+# diverge, memory, profile: commands/doctor_more.py
+from areal_cli.commands.doctor_more import register as _register_more  # noqa: E402
+
+_register_more(app)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from areal_cli.worker.agree import align_servers
+    from areal_cli.worker.consistency import check_consistency, watch
     from areal_cli.worker.fsdp import shard_model, transformer_blocks
     from areal_cli.worker.rollout import Completion, RolloutClient, RolloutError, SyncError
     from areal_cli.worker.runtime import WorkerContext, close, connect
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "align_servers": "agree",
+    "check_consistency": "consistency",
+    "watch": "consistency",
     "connect": "runtime",
     "close": "runtime",
     "WorkerContext": "runtime",
@@ -42,6 +45,7 @@ _EXPORTS = {
 
 __all__ = [
     "align_servers",
+    "check_consistency",
     "Completion",
     "RolloutClient",
     "RolloutError",
@@ -54,6 +58,7 @@ __all__ = [
     "shard_model",
     "sync_weights",
     "transformer_blocks",
+    "watch",
 ]
 
 

@@ -61,4 +61,7 @@ def shard_model(
     # The root's parameters are needed again right after forward (output head, backward),
     # so resharding them would only gather them twice.
     fully_shard(model, **{**kwargs, "reshard_after_forward": False})
+    from areal_cli.worker import consistency
+
+    consistency.watch(model)  # what `areal doctor diverge` checks, unless told otherwise
     return model

@@ -78,9 +78,11 @@ class WorkerContext:
         """Tell the watchdog this rank moved on (call it once per training step): a job none of
         whose ranks report for `--watchdog` seconds gets the hang doctor. Costs nothing to
         speak of (no I/O; the doctor asks for it over the rank's channel)."""
-        from areal_cli.worker import channel
+        from areal_cli.worker import channel, consistency
 
         channel.report_progress(step)
+        if step is not None and consistency.armed():
+            consistency.at_step(step)  # `areal doctor diverge`: here all ranks meet at `step`
 
     def barrier(self) -> None:
         import torch.distributed as dist
@@ -197,6 +199,7 @@ def connect(*, timeout_s: float = 600.0) -> WorkerContext:
     # The doctor's way in: a thread of this rank's own answers it even while the main
     # thread sits in a collective (the flight recorder's dump, the last step).
     channel.start(os.environ.get("AREAL_HOME") or None)
+    from areal_cli.worker import consistency, memory  # noqa: F401  (their doctor requests)
 
     experiment = os.environ.get("AREAL_EXPERIMENT") or settings.DEFAULT_EXPERIMENT
     trial = os.environ.get("AREAL_TRIAL") or settings.DEFAULT_TRIAL

@@ -1,0 +1,192 @@
+"""`areal doctor diverge | memory | profile` and check_consistency against real torchrun jobs
+(gloo on CPU): ranks on areal's worker runtime that disagree (a replicated model, a DTensor on a
+dp x tp mesh) or agree (FSDP2), and three ranks of which one computes three times as long.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from test_doctor_hang import AREAL, launch, leftovers
+
+from areal_cli.diagnose import memory
+
+TP_MESH = {"AREAL_MESH": "pp=1,dp=2,cp=1,tp=2"}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("doctor-more")
+    started = {}
+    try:
+        for label, nproc, env in [
+            ("replicated", 2, {"MODE": "replicated"}),
+            ("tp", 4, {"MODE": "tp", **TP_MESH}),
+            ("fsdp", 2, {"MODE": "fsdp"}),
+        ]:
+            started[label] = launch("diverge_job", nproc, tmp, env=env, label=label)
+        started["slow"] = launch("slow_rank", 3, tmp, label="slow")
+        for s in started.values():
+            s.wait_alive()
+        yield started
+    finally:
+        stoppers = [threading.Thread(target=s.stop) for s in started.values()]
+        for t in stoppers:
+            t.start()
+        for t in stoppers:
+            t.join()
+        assert not leftovers(), [p.pid for p in leftovers()]
+
+
+def areal(*args: str, timeout: float = 90.0, home: Path | None = None):
+    import os
+
+    env = {**os.environ, **({"AREAL_HOME": str(home)} if home else {})}
+    return subprocess.run(
+        [AREAL, "doctor", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def reports(s, timeout: float = 120.0) -> list[dict]:
+    """Each rank's own check_consistency report (the scenario writes it before stepping)."""
+    paths = [s.workdir / f"report-{r}.json" for r in range(s.nproc)]
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        assert s.proc.poll() is None, s.log()
+        assert time.monotonic() < deadline, s.log()
+        time.sleep(0.1)
+    time.sleep(0.2)  # written whole by then
+    return [json.loads(p.read_text()) for p in paths]
+
+
+def home_of(s) -> Path:
+    return s.workdir.parent / "home"
+
+
+def test_a_changed_parameter_on_one_replica_is_named_with_its_rank(jobs):
+    s = jobs["replicated"]
+    got = reports(s)
+    assert got[0]["mismatches"] == got[1]["mismatches"]  # every rank gets the whole report
+    (m,) = got[0]["mismatches"]
+    assert (m["name"], m["kind"], m["dim"], m["ranks"], m["reference_rank"]) == (
+        "weight", "param", "dp", [1], 0
+    )  # fmt: skip
+    assert m["max_abs_diff"] == pytest.approx(0.5) and m["shape"] == [8, 8]
+    # The live job, over the doctor channel, at a step all ranks reach together.
+    res = areal("diverge", "--pid", str(s.proc.pid), "--json", home=home_of(s))
+    assert res.returncode == 1, res.stderr + res.stdout
+    data = json.loads(res.stdout)
+    assert not data["ok"] and data["step"] > 0 and data["ranks"] == [0, 1]
+    assert [(x["name"], x["ranks"]) for x in data["mismatches"]] == [("weight", [1])]
+    text = areal("diverge", "--pid", str(s.proc.pid), home=home_of(s))
+    assert "weight (param, [8, 8]) along dp [0, 1]: rank(s) [1] differ from rank 0" in (
+        text.stdout
+    ), text.stdout + text.stderr
+
+
+def test_a_replicated_norm_weight_drifting_on_one_tp_rank(jobs):
+    s = jobs["tp"]
+    got = reports(s)
+    mism = {(m["name"], m["dim"]): m for m in got[0]["mismatches"]}
+    # Replicate on both dims: rank 3 differs from its dp peer (1) and its tp peer (2); the
+    # tp-sharded weight differs across tp by design and is not reported.
+    assert set(mism) == {("norm", "dp"), ("norm", "tp")}
+    assert mism["norm", "dp"]["group"] == [1, 3] and mism["norm", "dp"]["ranks"] == [3]
+    assert mism["norm", "tp"]["group"] == [2, 3] and mism["norm", "tp"]["ranks"] == [3]
+    assert mism["norm", "tp"]["max_abs_diff"] == pytest.approx(1e-3, rel=1e-3)
+    res = areal("diverge", "--pid", str(s.proc.pid), "--json", home=home_of(s))
+    assert res.returncode == 1, res.stderr
+    assert {(m["name"], m["dim"]) for m in json.loads(res.stdout)["mismatches"]} == set(mism)
+
+
+def test_a_healthy_fsdp_job_agrees(jobs):
+    s = jobs["fsdp"]
+    got = reports(s)
+    for rep in got:
+        # Sharded parameters, gradients and Adam's moments have nothing to compare; the
+        # buffer, the optimizer's steps and the reduced loss do.
+        assert rep["ok"] and rep["mismatches"] == []
+        assert rep["checked"] >= 6 and rep["skipped"] >= 12
+    res = areal("diverge", "--pid", str(s.proc.pid), home=home_of(s))
+    assert res.returncode == 0, res.stderr
+    assert "all ranks agree" in res.stdout
+
+
+def test_memory_per_rank_beside_the_cgroup(jobs, tmp_path):
+    s = jobs["fsdp"]
+    reports(s)
+    res = areal("memory", "--pid", str(s.proc.pid), "--json", "--snapshot", str(tmp_path / "m"),
+                home=home_of(s))  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    ranks = {r["rank"]: r for r in data["ranks"]}
+    assert sorted(ranks) == [0, 1] and all(r["rss"] > 50 << 20 for r in ranks.values())
+    # On the runtime's channel, on CPU: no CUDA allocator to report.
+    assert all(r["cuda"] is None and r["channel"] is None for r in ranks.values())
+    top = max(ranks.values(), key=lambda r: r["rss"])
+    assert data["most"]["rank"] == top["rank"] and data["most"]["what"] == "rss"
+    assert data["host"]["total"] > data["host"]["available"] > 0
+    (cg,) = data["cgroups"].values()
+    assert cg["version"] in ("v1", "v2") and cg["usage"] > 0
+    for snap in data["snapshots"]:
+        assert snap["kind"] == "smaps_rollup"
+        breakdown = json.loads(Path(snap["path"]).read_text())
+        assert breakdown["Rss"] > 50 << 20 and "Anonymous" in breakdown
+    text = areal("memory", "--pid", str(s.proc.pid), home=home_of(s))
+    assert f"most: rank {top['rank']} (pid {top['pid']})" in text.stdout, text.stdout
+
+
+def test_profile_names_the_rank_that_computes_three_times_longer(jobs, tmp_path):
+    s = jobs["slow"]
+    s.wait_ready()
+    out = tmp_path / "prof"
+    t0 = time.monotonic()
+    res = areal("profile", "--pid", str(s.proc.pid), "--duration", "3", "--out", str(out),
+                "--json")  # fmt: skip
+    wall = time.monotonic() - t0
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert data["straggler"]["rank"] == 2, data
+    by_rank = {r["rank"]: r for r in data["ranks"]}
+    assert by_rank[0]["collective_share"] > 0.4 and by_rank[2]["collective_share"] < 0.2
+    assert by_rank[2]["top_self"][0]["function"].startswith("compute")
+    for r in range(3):
+        scope = json.loads((out / f"rank{r}.speedscope.json").read_text())
+        assert scope["profiles"] and scope["shared"]["frames"]
+        svg = ET.parse(out / f"rank{r}.svg").getroot()
+        assert svg.tag.endswith("svg") and len(svg) > 3
+    assert json.loads((out / "summary.json").read_text())["straggler"]["rank"] == 2
+    assert wall < 3 + 4, wall  # recording runs in parallel: about the duration, not 3x it
+
+
+def test_bad_targets_are_one_message(jobs, tmp_path):
+    s = jobs["slow"]
+    # Ranks that are not on the worker runtime have no channel to ask.
+    res = areal("diverge", "--pid", str(s.proc.pid))
+    assert res.returncode == 2 and "do not answer the doctor's channel" in res.stderr
+    assert "Traceback" not in res.stderr
+    res = areal("profile", "--pid", "4194000", "--out", str(tmp_path / "x"))
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+
+
+def test_cgroup_limits_v1_and_v2(tmp_path):
+    v2 = tmp_path / "v2"
+    (v2 / "job.slice" / "step").mkdir(parents=True)
+    (v2 / "job.slice" / "memory.max").write_text("1073741824\n")
+    (v2 / "job.slice" / "step" / "memory.max").write_text("max\n")
+    (v2 / "job.slice" / "step" / "memory.current").write_text("1000\n")
+    got = memory.cgroup_limits("v2:/job.slice/step", root=v2)
+    assert (got["limit"], got["limit_at"], got["usage"]) == (1 << 30, "/job.slice", 1000)
+    v1 = tmp_path / "v1" / "memory" / "slurm" / "job_1"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text("2147483648\n")
+    (v1 / "memory.usage_in_bytes").write_text("5\n")
+    (v1.parent / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # no limit
+    got = memory.cgroup_limits("v1:/slurm/job_1", root=tmp_path / "v1")
+    assert (got["limit"], got["limit_at"], got["usage"]) == (2 << 30, "/slurm/job_1", 5)
