@@ -27,11 +27,15 @@ MARKER_ENV = "AREAL_JOB_MARKER"
 
 
 class Step:
-    def __init__(self, label: str, run_dir: str, marker: str, node_index: int = 0):
+    def __init__(self, label: str, run_dir: str, marker: str, node_index: int = 0,
+                 argv: list[str] | None = None, env: dict[str, str] | None = None):  # fmt: skip
         self.label, self.run_dir, self.marker, self.node_index = label, run_dir, marker, node_index
         self.proc: subprocess.Popen | None = None
         self.code: int | None = None
         self._waiter: threading.Thread | None = None
+        if argv:
+            # Started as soon as it is placed: no round trip between placing and starting.
+            self.start(argv, env or {})
 
     def where(self) -> dict:
         """The node this step landed on and the GPUs Ray gave it."""

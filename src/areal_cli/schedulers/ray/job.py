@@ -140,8 +140,9 @@ def _step_class():
     return ray.remote(Step)
 
 
-def create(plan: RayPlan) -> tuple[dict, object | None]:
-    """label → actor handle, and the placement group: asked of Ray, placed when it can."""
+def create(plan: RayPlan, env: dict[str, str]) -> tuple[dict, object | None]:
+    """label → actor handle, and the placement group: asked of Ray, placed when it can.
+    A server's actor starts its runner once placed; the trainers' wait for the endpoint."""
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -155,7 +156,7 @@ def create(plan: RayPlan) -> tuple[dict, object | None]:
             name=actor_name(plan.marker, label),
             num_cpus=s.resources.get("CPU", 0.0), num_gpus=s.resources.get("GPU", 0.0),
             **common,
-        ).remote(label, plan.run_dir, plan.marker, 0)  # fmt: skip
+        ).remote(label, plan.run_dir, plan.marker, 0, runner_argv(plan, label, None), env)  # fmt: skip
     pg = None
     for t in plan.trainers:
         pg = placement_group(
@@ -481,15 +482,15 @@ class Watch:
         import ray
 
         deadline = time.monotonic() + self.plan.health_timeout
-        self.actors, self.group = create(self.plan)
+        env = {**forwarded_env(), "AREAL_HOME": self.plan.home}
+        self.actors, self.group = create(self.plan, env)
         self._placed(deadline)
         endpoint = None
         trainers = sorted(lb for lb in self.actors if lb.startswith("torchrun-"))
         if len(trainers) > 1:
             endpoint = ray.get(self.actors["torchrun-0"].endpoint.remote(), timeout=30)
-        env = {**forwarded_env(), "AREAL_HOME": self.plan.home}
-        starts = [a.start.remote(runner_argv(self.plan, lb, endpoint), env)
-                  for lb, a in self.actors.items()]  # fmt: skip
+        starts = [self.actors[lb].start.remote(runner_argv(self.plan, lb, endpoint), env)
+                  for lb in trainers]  # fmt: skip
         ray.get(starts, timeout=60)
         self.rec.state = "starting" if self.plan.servers else "running"
         records.write(self.home, self.rec)
