@@ -214,13 +214,17 @@ def profile_cmd(
     ),
     rate: int = typer.Option(100, "--rate", min=1, max=1000, help="Samples per second."),
     native: bool = typer.Option(False, "--native", help="Include C/C++ frames (py-spy --native)."),
+    servers: bool = typer.Option(
+        True, "--servers/--no-servers", help="Record the job's inference servers here too."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     home: str = typer.Option(None, "--home", help="AREAL_HOME holding job records (for --job)."),
 ) -> None:
     """Record every rank with py-spy at once; name the rank the others wait for.
 
     Writes per rank: rankN.svg (flame graph of the main thread) and
-    rankN.speedscope.json (open in speedscope.app), and summary.json. The summary
+    rankN.speedscope.json (open in speedscope.app), serverN.* for the job's
+    inference servers on this host, and summary.json. The summary
     gives each rank's top functions, its share of time inside collectives, and the
     mean time it computes between two collectives; the rank that computes clearly
     longest while the others wait in collectives is named the straggler.
@@ -260,7 +264,13 @@ def profile_cmd(
             where = out_dir / f"job{i}" if len(jobs) > 1 else out_dir
             reports.append(
                 profile.record(
-                    j, where, duration=duration, rate=rate, native=native, on_progress=tick
+                    j,
+                    where,
+                    duration=duration,
+                    rate=rate,
+                    native=native,
+                    on_progress=tick,
+                    servers=profile.job_servers(j) if servers else [],
                 )  # fmt: skip
             )
     finally:

@@ -6,16 +6,21 @@ dp x tp mesh) or agree (FSDP2), and three ranks of which one computes three time
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import threading
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from test_doctor_hang import AREAL, launch, leftovers
+from test_doctor_hang import AREAL, MARK_PREFIX, launch, leftovers
 
+from areal_cli import procs, settings
 from areal_cli.diagnose import memory
+from areal_cli.registry.api import ServerEntry
+from areal_cli.registry.file import FileRegistry
 
 TP_MESH = {"AREAL_MESH": "pp=1,dp=2,cp=1,tp=2"}
 
@@ -24,6 +29,7 @@ TP_MESH = {"AREAL_MESH": "pp=1,dp=2,cp=1,tp=2"}
 def jobs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("doctor-more")
     started = {}
+    server = None
     try:
         for label, nproc, env in [
             ("replicated", 2, {"MODE": "replicated"}),
@@ -31,11 +37,31 @@ def jobs(tmp_path_factory):
             ("fsdp", 2, {"MODE": "fsdp"}),
         ]:
             started[label] = launch("diverge_job", nproc, tmp, env=env, label=label)
-        started["slow"] = launch("slow_rank", 3, tmp, label="slow")
+        # An HTTP server the slow job's ranks are given as their inference server, recorded in
+        # the registry the ranks use, as `areal serve` records its servers.
+        port = procs.free_ports(1, start=54000 + 40)[0]
+        server = procs.spawn(
+            [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+            env={**os.environ, procs.MARKER_ENV: f"{MARK_PREFIX}server"},
+            stdout=subprocess.DEVNULL,
+        )
+        reg = tmp / "registry"
+        FileRegistry(str(reg)).register(
+            ServerEntry(id="0", addr=f"127.0.0.1:{port}", experiment="e", trial="t",
+                        host=settings.hostname(), pid=server.pid), ttl=600,
+        )  # fmt: skip
+        started["slow"] = launch(
+            "slow_rank", 3, tmp, label="slow",
+            env={"AREAL_LLM_SERVER_ADDRS": f"127.0.0.1:{port}", "AREAL_REGISTRY": str(reg)},
+        )  # fmt: skip
+        started["slow"].server_pid = server.pid
         for s in started.values():
             s.wait_alive()
         yield started
     finally:
+        if server is not None:
+            procs.kill_job(f"{MARK_PREFIX}server", [server.pid], grace=1.0)
+            server.wait(timeout=5)
         stoppers = [threading.Thread(target=s.stop) for s in started.values()]
         for t in stoppers:
             t.start()
@@ -45,8 +71,6 @@ def jobs(tmp_path_factory):
 
 
 def areal(*args: str, timeout: float = 90.0, home: Path | None = None):
-    import os
-
     env = {**os.environ, **({"AREAL_HOME": str(home)} if home else {})}
     return subprocess.run(
         [AREAL, "doctor", *args], capture_output=True, text=True, timeout=timeout, env=env
@@ -153,7 +177,7 @@ def test_profile_names_the_rank_that_computes_three_times_longer(jobs, tmp_path)
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
     assert data["straggler"]["rank"] == 2, data
-    by_rank = {r["rank"]: r for r in data["ranks"]}
+    by_rank = {r["rank"]: r for r in data["ranks"] if r["role"] == "rank"}
     assert by_rank[0]["collective_share"] > 0.4 and by_rank[2]["collective_share"] < 0.2
     assert by_rank[2]["top_self"][0]["function"].startswith("compute")
     for r in range(3):
@@ -162,6 +186,10 @@ def test_profile_names_the_rank_that_computes_three_times_longer(jobs, tmp_path)
         svg = ET.parse(out / f"rank{r}.svg").getroot()
         assert svg.tag.endswith("svg") and len(svg) > 3
     assert json.loads((out / "summary.json").read_text())["straggler"]["rank"] == 2
+    # The inference server the ranks were given, recorded beside them.
+    (srv,) = [r for r in data["ranks"] if r["role"] == "server"]
+    assert srv["pid"] == s.server_pid and srv["samples"] > 0 and srv["error"] is None
+    assert json.loads((out / "server0.speedscope.json").read_text())["profiles"]
     assert wall < 3 + 4, wall  # recording runs in parallel: about the duration, not 3x it
 
 

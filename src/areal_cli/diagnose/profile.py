@@ -216,6 +216,34 @@ def straggler(ranks: list[RankProfile]) -> dict | None:
     }
 
 
+def job_servers(job: Job) -> list[int]:
+    """Pids of the inference servers on this host that the job's ranks were given
+    (AREAL_LLM_SERVER_ADDRS), from the registry the ranks use. Empty when none is known."""
+    from areal_cli import procs, settings
+    from areal_cli.registry import open_registry
+
+    env: dict[str, str] = {}
+    for r in job.ranks:
+        try:
+            raw = Path(f"/proc/{r.pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        env = dict(kv.decode(errors="replace").partition("=")[::2] for kv in raw if b"=" in kv)
+        break
+    addrs = {a.strip() for a in env.get("AREAL_LLM_SERVER_ADDRS", "").split(",") if a.strip()}
+    if not addrs:
+        return []
+    try:
+        listing = open_registry(env.get("AREAL_REGISTRY") or None).list()
+    except Exception:  # a registry that does not answer: profile the ranks alone
+        return []
+    host = settings.hostname()
+    return sorted(
+        {e.pid for e in listing.servers
+         if e.addr in addrs and e.pid and e.host in (None, host) and procs.pid_alive(e.pid)}
+    )  # fmt: skip
+
+
 # --------------------------------------------------------------------------- flame graph
 
 
