@@ -116,3 +116,12 @@ def test_pg_config_is_rebuilt_from_the_groups_the_ranks_know():
         "1": {"name": "1", "desc": "dp", "ranks": "[0, 1]"},
         "2": {"name": "2", "desc": "tp", "ranks": "[0, 1]"},
     }
+
+
+def test_sizes_that_differ_by_design_are_no_shape_mismatch():
+    raw = answers("shape_mismatch")
+    for a in raw:  # the same entries, as a scatter: the root's list differs from the others'
+        for e in a["dump"]["entries"]:
+            e["profiling_name"] = "gloo:scatter"
+    v = analyze(one(waiting(100, line=21), waiting(101, line=19)), flights=flights(raw)).verdict
+    assert v.kind == "collective_stuck"

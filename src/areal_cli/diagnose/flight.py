@@ -23,6 +23,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from areal_cli.diagnose import collectives
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -184,13 +186,18 @@ def gather(pids: list[int], timeout: float = 3.0) -> dict[int, RankFlight | str]
 # --------------------------------------------------------------------------- rules' facts
 
 
+# Collectives whose every rank passes the same sizes. Not gather, scatter or all_to_all: the
+# root's list, or uneven splits, differ from the others' by design.
+SAME_SIZES = frozenset({"all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce"})
+
+
 def sizes_disagree(flights: list[RankFlight]) -> tuple[Entry, dict[int, Entry]] | None:
     """The earliest collective (group, number) whose ranks recorded the same op with
     different sizes, a rank still waiting in it: (one of them, rank -> its entry), or None."""
     by_key: dict[tuple[str, int], dict[int, Entry]] = {}
     for f in flights:
         for e in f.entries:
-            if not e.p2p:
+            if not e.p2p and collectives.kind_of(e.op) in SAME_SIZES:
                 by_key.setdefault((e.pg, e.seq), {})[f.rank] = e
     found = []
     for (_pg, seq), per_rank in by_key.items():
