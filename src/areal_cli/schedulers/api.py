@@ -136,6 +136,7 @@ class Stopped(Exception):
 
 class Scheduler(ABC):
     name: str
+    label: str = ""  # how messages name one of its jobs: "Slurm" job 58, "Ray" job 6294eae8
 
     @abstractmethod
     def dryrun(self, spec: JobSpec) -> Request: ...
@@ -180,3 +181,13 @@ class Scheduler(ABC):
     def request_stop(self) -> None:
         """Ask a job running in the foreground of this process to stop (signal handlers)."""
         return None
+
+    def run_on_nodes(
+        self, job_id: str, commands: dict[str, list[str]], timeout: float
+    ) -> dict[str, tuple[str | None, str | None]]:
+        """node → (stdout, why not) of a short command run on each named node of a job of
+        this scheduler, all at once: how the doctor reaches the nodes of a cluster job. A
+        scheduler whose jobs run on this host only has none."""
+        from areal_cli.errors import UsageError
+
+        raise UsageError(f"the {self.name} scheduler cannot reach other nodes")

@@ -43,6 +43,7 @@ from areal_cli.schedulers.api import (
 
 class RayScheduler(Scheduler):
     name = "ray"
+    label = "Ray"  # "Ray job 6294eae8"
 
     def __init__(
         self, home: Path | None = None, registry: str | None = None, address: str | None = None
@@ -211,10 +212,10 @@ class RayScheduler(Scheduler):
 
     def run_on_nodes(
         self, job_id: str, commands: dict[str, list[str]], timeout: float
-    ) -> dict[str, tuple[int, str, str]]:
-        """node → (exit code, stdout, stderr) of a short command (the doctor's sampler) run
-        on each named node of the job at once, by the job's own actor there: no new worker
-        to start, and it sees what the job's processes see."""
+    ) -> dict[str, tuple[str | None, str | None]]:
+        """node → (stdout, why not) of a short command (the doctor's sampler) run on each
+        named node of the job at once, by the job's own actor there: no worker to start,
+        and it sees what the job's processes see."""
         import ray
 
         from areal_cli.schedulers.ray import cluster, records
@@ -228,24 +229,31 @@ class RayScheduler(Scheduler):
         for name, st in cluster.actor_states(rec.actors).items():
             if st.state == "ALIVE" and st.node_ip:
                 by_ip.setdefault(st.node_ip, name)
-        out: dict[str, tuple[int, str, str]] = {}
+        out: dict[str, tuple[str | None, str | None]] = {}
         refs = {}
         for node, argv in commands.items():
             name = by_ip.get(node)
             if name is None:
-                out[node] = (255, "", f"no live actor of Ray job {job_id} on node {node}")
+                out[node] = (None, f"node {node} cannot be reached: no live actor of Ray job "
+                                   f"{job_id} there")  # fmt: skip
                 continue
             actor = ray.get_actor(name, namespace=cluster.NAMESPACE)
             refs[node] = actor.run.remote(argv, timeout)
         ready, _ = cluster.wait_refs(list(refs.values()), timeout + 10.0)
         for node, ref in refs.items():
             if ref not in ready:
-                out[node] = (124, "", f"no answer from node {node} within {timeout + 10:g}s")
+                out[node] = (None, f"no answer from node {node} within {timeout + 10:g}s")
                 continue
             try:
-                out[node] = ray.get(ref)
+                code, stdout, stderr = ray.get(ref)
             except Exception as e:
-                out[node] = (255, "", f"node {node}: {type(e).__name__}: {e}")
+                out[node] = (None, f"node {node} cannot be reached: {type(e).__name__}: {e}")
+                continue
+            if stdout.strip():
+                out[node] = (stdout, None)
+            else:
+                last = (stderr.strip().splitlines() or [f"exit code {code}"])[-1]
+                out[node] = (None, f"node {node}: the sampler failed: {last}")
         return out
 
     # -- logs, stop -----------------------------------------------------------------------

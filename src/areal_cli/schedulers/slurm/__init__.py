@@ -38,6 +38,7 @@ from areal_cli.schedulers.api import (
 
 class SlurmScheduler(Scheduler):
     name = "slurm"
+    label = "Slurm"  # "Slurm job 58"
 
     def __init__(self, home: Path | None = None, registry: str | None = None):
         self.home = home or settings.home()
@@ -229,6 +230,42 @@ class SlurmScheduler(Scheduler):
             raise UsageError(f"no Slurm job {handle.name} under {records.root(self.home)}")
         return recs[0]
 
+    # -- the doctor's reach --------------------------------------------------------------
+
+    def run_on_nodes(
+        self, job_id: str, commands: dict[str, list[str]], timeout: float
+    ) -> dict[str, tuple[str | None, str | None]]:
+        """node → (stdout, why not) of a short command run on each node of the job at once,
+        each by `srun --overlap` into the job (its het group for a heterogeneous job)."""
+        import subprocess
+        from concurrent.futures import ThreadPoolExecutor
+
+        groups = _het_groups(job_id)
+
+        def one(node: str) -> tuple[str | None, str | None]:
+            argv = ["srun", "--overlap", f"--jobid={job_id}", "-w", node, "--nodes=1",
+                    "--ntasks=1", "--quiet", *commands[node]]  # fmt: skip
+            if node in groups:
+                argv.insert(3, f"--het-group={groups[node]}")
+            try:
+                res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                                     check=False)  # fmt: skip
+            except subprocess.TimeoutExpired:
+                return None, f"no answer from node {node} within {timeout:g}s"
+            except OSError as e:
+                return None, f"cannot run srun: {e}"
+            if res.stdout.strip():
+                return res.stdout, None
+            from areal_cli.schedulers.slurm.cluster import slurm_message
+
+            why = (
+                slurm_message(res.stderr) if res.stderr.strip() else f"srun exited {res.returncode}"
+            )
+            return None, f"node {node} cannot be reached: {why}"
+
+        with ThreadPoolExecutor(max_workers=max(1, len(commands))) as ex:
+            return dict(zip(commands, ex.map(one, commands), strict=True))
+
     # -- logs, stop -----------------------------------------------------------------------
 
     def log_iter(
@@ -286,6 +323,20 @@ class SlurmScheduler(Scheduler):
         cancelled = f"Slurm job {rec.job_id}" if was_running else None
         return StopResult(rec.name, was_running, int(was_running), deregistered, cancelled,
                           left=left)  # fmt: skip
+
+
+def _het_groups(job_id: str) -> dict[str, int]:
+    """node → its component, for a heterogeneous job (srun reaches it with --het-group)."""
+    from areal_cli.errors import ArealError
+    from areal_cli.schedulers.slurm import cluster
+
+    try:
+        info = cluster.jobs([job_id]).get(job_id)
+    except ArealError:
+        return {}
+    if info is None or len(info.components) < 2:
+        return {}
+    return {n: offset for offset, names in info.components.items() for n in names}
 
 
 def _replica_order(rec) -> dict[str, int]:
