@@ -49,6 +49,19 @@ class Step:
             "pid": os.getpid(),
         }
 
+    def _node_env(self) -> dict[str, str]:
+        """How the job's processes learn their node and job (launchers.node, the worker
+        runtime) and which GPUs they may use: exactly those Ray gave this step."""
+        where = self.where()
+        return {
+            "CUDA_VISIBLE_DEVICES": ",".join(where["gpus"]),
+            "AREAL_SCHEDULER_NAME": "ray",
+            "AREAL_NODE_NAME": where["ip"],
+            "AREAL_NODE_ADDR": where["ip"],
+            "AREAL_NODE_INDEX": str(self.node_index),
+            "AREAL_SCHEDULER_JOB_ID": self.marker[-8:],
+        }
+
     def endpoint(self) -> str:
         """host:port free on this node: where the training nodes' rendezvous meets."""
         import socket
@@ -62,17 +75,9 @@ class Step:
 
     def start(self, argv: list[str], env: dict[str, str]) -> int:
         """Run the runner ("{python}" in argv: this node's interpreter)."""
-        where = self.where()
         argv = [sys.executable if a == "{python}" else a for a in argv]
-        full = {**os.environ, **env}
-        # The GPUs Ray gave this step, exactly (none: none, not every GPU of the node).
-        full["CUDA_VISIBLE_DEVICES"] = ",".join(where["gpus"])
+        full = {**os.environ, **env, **self._node_env()}
         full[MARKER_ENV] = self.marker
-        full["AREAL_SCHEDULER_NAME"] = "ray"
-        full["AREAL_NODE_NAME"] = where["ip"]
-        full["AREAL_NODE_ADDR"] = where["ip"]
-        full["AREAL_NODE_INDEX"] = str(self.node_index)
-        full["AREAL_SCHEDULER_JOB_ID"] = self.marker[-8:]
         out = Path(self.run_dir) / f"{self.label}.out"
         with open(out, "ab") as log:
             self.proc = subprocess.Popen(
@@ -126,8 +131,10 @@ class Step:
     def run(self, argv: list[str], timeout: float) -> tuple[int, str, str]:
         """A short command on this node (the doctor's sampler), its output back."""
         argv = [sys.executable if a == "{python}" else a for a in argv]
+        env = {**os.environ, **(self._node_env() if self.marker else {})}
         try:
-            res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+            res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                                 check=False, env=env)  # fmt: skip
         except subprocess.TimeoutExpired:
             return 124, "", f"no answer within {timeout:g}s"
         return res.returncode, res.stdout, res.stderr
