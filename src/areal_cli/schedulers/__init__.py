@@ -19,11 +19,34 @@ from areal_cli.errors import UsageError
 if TYPE_CHECKING:
     from areal_cli.schedulers.api import Handle, Scheduler
 
-NAMES = {"local": "LocalScheduler", "slurm": "SlurmScheduler", "ray": "RayScheduler"}
+# name -> "module:Class". A scheduler from elsewhere is one line in the environment:
+# AREAL_SCHEDULERS="name=package.module:Class[,...]" (read once, at import).
+PLUGINS_ENV = "AREAL_SCHEDULERS"
+NAMES = {
+    "local": "areal_cli.schedulers.local:LocalScheduler",
+    "slurm": "areal_cli.schedulers.slurm:SlurmScheduler",
+    "ray": "areal_cli.schedulers.ray:RayScheduler",
+}
 DEFAULT = "local"
 # Where under AREAL_HOME each scheduler keeps its job records: a scheduler with no folder
-# there has never run a job from this home, and `areal ps` need not even import it.
+# there has never run a job from this home, and `areal ps` need not even import it. A
+# plug-in keeps its records under its own name.
 RECORDS = {"local": "jobs", "slurm": "slurm", "ray": "ray"}
+
+
+def _plugins() -> None:
+    for item in filter(None, (x.strip() for x in os.environ.get(PLUGINS_ENV, "").split(","))):
+        name, sep, target = item.partition("=")
+        if not sep or ":" not in target or not name.strip():
+            raise UsageError(
+                f"{PLUGINS_ENV}: {item!r} is not NAME=MODULE:CLASS",
+                hint=f"e.g. {PLUGINS_ENV}=k8s=mypkg.k8s_scheduler:K8sScheduler",
+            )
+        NAMES[name.strip()] = target.strip()
+        RECORDS.setdefault(name.strip(), name.strip())
+
+
+_plugins()
 
 
 def pick(flag: str | None, config: dict | None = None) -> str:
@@ -34,11 +57,21 @@ def pick(flag: str | None, config: dict | None = None) -> str:
     return name
 
 
+def scheduler_class(name: str) -> type[Scheduler]:
+    """The class of scheduler `name`, its module imported now."""
+    module, _, cls = NAMES[pick(name)].partition(":")
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError) as e:
+        raise UsageError(
+            f"scheduler {name!r}: cannot load {NAMES[name]} ({type(e).__name__}: {e})",
+            hint=f"check {PLUGINS_ENV} and that the module is importable here",
+        ) from None
+
+
 def get(name: str | None = None, **options) -> Scheduler:
     """The scheduler `name`, its module imported now. `options`: home=, registry=."""
-    name = pick(name)
-    module = importlib.import_module(f"areal_cli.schedulers.{name}")
-    return getattr(module, NAMES[name])(**options)
+    return scheduler_class(pick(name))(**options)
 
 
 def used(home: Path) -> list[Scheduler]:

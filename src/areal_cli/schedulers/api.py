@@ -47,6 +47,18 @@ class Handle:
         )
 
 
+@dataclass(frozen=True)
+class RunOpt:
+    """One option a scheduler declares for itself (TorchX's runopts): set with
+    `--scheduler-opt NAME=VALUE`, in a job YAML's `scheduler_opts:` mapping, or by its
+    `flag` where one is kept for it (Slurm's --partition). `kind`: str, posint or list."""
+
+    name: str
+    kind: str
+    help: str
+    flag: str | None = None
+
+
 @dataclass
 class Request:
     """A job ready to start: what `--dry-run` shows. `plan` is the scheduler's own form
@@ -137,6 +149,7 @@ class Stopped(Exception):
 class Scheduler(ABC):
     name: str
     label: str = ""  # how messages name one of its jobs: "Slurm" job 58, "Ray" job 6294eae8
+    runopts: tuple[RunOpt, ...] = ()  # the options it takes (spec.scheduler_opts holds them)
 
     @abstractmethod
     def dryrun(self, spec: JobSpec) -> Request: ...

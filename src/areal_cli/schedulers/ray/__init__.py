@@ -35,6 +35,7 @@ from areal_cli.schedulers.api import (
     JobStatus,
     LineFn,
     Request,
+    RunOpt,
     Scheduler,
     ServerStatus,
     StopResult,
@@ -44,6 +45,12 @@ from areal_cli.schedulers.api import (
 class RayScheduler(Scheduler):
     name = "ray"
     label = "Ray"  # "Ray job 6294eae8"
+    runopts = (
+        RunOpt("address", "str", "the cluster's head, HOST:PORT (default RAY_ADDRESS)"),
+        RunOpt("gpus_per_node", "posint", "training ranks per node (default: world / "
+               "--nnodes, else the largest node's GPUs, or CPUs without GPUs)",
+               "--gpus-per-node"),
+    )  # fmt: skip
 
     def __init__(
         self, home: Path | None = None, registry: str | None = None, address: str | None = None
@@ -59,8 +66,9 @@ class RayScheduler(Scheduler):
     def dryrun(self, spec, check_packages: bool = False) -> Request:
         from areal_cli.schedulers.ray import planner
 
+        address = getattr(spec.scheduler_opts, "address", None) or self.address
         plan = planner.plan(
-            spec, self.home, settings.registry_url(self.registry), self.address,
+            spec, self.home, settings.registry_url(self.registry), address,
             check_packages=check_packages,
         )  # fmt: skip
         return Request(self.name, spec, plan)

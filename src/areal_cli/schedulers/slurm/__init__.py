@@ -30,6 +30,7 @@ from areal_cli.schedulers.api import (
     JobStatus,
     LineFn,
     Request,
+    RunOpt,
     Scheduler,
     ServerStatus,
     StopResult,
@@ -39,6 +40,14 @@ from areal_cli.schedulers.api import (
 class SlurmScheduler(Scheduler):
     name = "slurm"
     label = "Slurm"  # "Slurm job 58"
+    runopts = (
+        RunOpt("partition", "str", "Slurm partition (default: the cluster's)", "--partition"),
+        RunOpt("account", "str", "Slurm account to charge", "--account"),
+        RunOpt("time", "str", "Slurm time limit, e.g. 4:00:00", "--time"),
+        RunOpt("gpus_per_node", "posint", "GPUs used per node (default: the partition's)",
+               "--gpus-per-node"),
+        RunOpt("slurm_arg", "list", "passed to sbatch as is, e.g. --mem=64G", "--slurm-arg"),
+    )  # fmt: skip
 
     def __init__(self, home: Path | None = None, registry: str | None = None):
         self.home = home or settings.home()
