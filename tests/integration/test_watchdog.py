@@ -9,22 +9,22 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-from helpers import AREAL, areal
+from helpers import AREAL, FAKE_PYTHON, areal
 
 from areal_cli import procs
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "fixtures" / "scripts" / "watchdog_job.py")
 
 
-def _train(trial: str, *flags: str, env: dict) -> subprocess.Popen:
-    argv = [AREAL, "train", "--alloc", "fsdp:d2", "--servers", "none", "--trial", trial,
-            *flags, SCRIPT]  # fmt: skip
+def _train(trial: str, *flags: str, env: dict, alloc=("--servers", "none")) -> subprocess.Popen:
+    argv = [AREAL, "train", "--alloc", "fsdp:d2", *alloc, "--trial", trial, *flags, SCRIPT]
     return subprocess.Popen(
         argv,
-        env={**os.environ, "COLUMNS": "200", **env},
+        env={**os.environ, "COLUMNS": "200", "FAKE_REAL_PYTHON": sys.executable, **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -86,9 +86,13 @@ def test_a_stalled_job_gets_one_verdict_and_a_bundle(areal_env):
         p.communicate(timeout=60)
 
 
-def test_fail_action_ends_a_plain_script_with_exit_1_naming_the_verdict(areal_env):
-    """No rank reports (plain torch.distributed): the watchdog goes by their movement."""
-    p = _train("fail", "--watchdog", "3", "--watchdog-action", "fail",
+def test_fail_action_ends_a_plain_script_with_exit_1_naming_the_verdict(areal_env, tmp_path):
+    """No rank reports (plain torch.distributed): the watchdog goes by their movement. The
+    job's own server (a stand-in) gets its stack kept too."""
+    model = tmp_path / "model"
+    model.mkdir()
+    with_server = ("--alloc", "hf:d1+fsdp:d2", "--model", str(model), "--python", FAKE_PYTHON)
+    p = _train("fail", "--watchdog", "3", "--watchdog-action", "fail", alloc=with_server,
                env={"STALL_RANK": "1", "STEPS": "3", "PLAIN": "1"})  # fmt: skip
     out, err = p.communicate(timeout=120)
     assert p.returncode == 1, (out, err)
@@ -97,6 +101,8 @@ def test_fail_action_ends_a_plain_script_with_exit_1_naming_the_verdict(areal_en
     rec = json.loads(areal("ps", "--all", "--json", check=0).stdout)
     job = next(j for j in rec if j["trial"] == "fail")
     assert job["state"] == "failed" and job["watchdog"]["odd_ranks"] == [1]
+    servers = Path(job["watchdog"]["bundle"]) / "servers"
+    assert [x.suffix for x in servers.iterdir()] == [".json"], list(servers.iterdir())
 
 
 def test_a_healthy_job_with_slow_steps_gets_no_verdict(areal_env):
