@@ -35,7 +35,15 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from areal_cli.worker import align_servers, close, connect, shard_model, sync_weights
+from areal_cli.worker import (
+    align_servers,
+    check_consistency,
+    close,
+    connect,
+    shard_model,
+    sync_weights,
+    watch,
+)
 from areal_cli.worker.agree import describe
 
 # --------------------------------------------------------------------------- config
@@ -76,6 +84,10 @@ class Config:
     # Push weights to the servers every N steps. 0 never does: the control experiment, in
     # which the reward stays where it started because the servers keep the old policy.
     sync_every: int = 1
+    # Every N steps compare what the ranks should agree on (areal_cli.worker.check_consistency:
+    # replicated parameters and buffers, optimizer steps, the logged loss); 0 never does. A
+    # mismatch is printed with its tensors and ranks; training goes on.
+    check_every: int = 0
     max_concurrency: int = 128
     # Seconds one generation request, one control call (pause, weight update) and one weight
     # broadcast may take on a live server.
@@ -338,6 +350,17 @@ class Report:
         self.rows += 1
 
 
+def describe_consistency(rep) -> str:
+    head = f"consistency at step {rep.step}: "
+    if rep.ok:
+        return head + f"ranks agree ({rep.checked} comparisons, {rep.seconds:.3f}s)"
+    return head + "; ".join(
+        f"{m.name} differs on rank(s) {m.ranks} from rank {m.reference_rank} along {m.dim}"
+        + (f" (max |diff| {m.max_abs_diff:.3g})" if m.max_abs_diff is not None else "")
+        for m in rep.mismatches
+    )
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -369,6 +392,7 @@ def main(argv: list[str]) -> None:
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
     )
+    watch(model, optimizer)  # what `areal doctor diverge` compares in this job
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     stop_ids = sorted({tokenizer.eos_token_id} - {None})
     weights_dir = Path(cfg.weights_dir or ctx.log_dir / "weights")
@@ -479,6 +503,13 @@ def main(argv: list[str]) -> None:
         reward_sum, count, tokens, gap, loss = all_ranks_sum(
             [rewards.sum().item(), rewards.numel(), generated, stats["logprob_gap"], stats["loss"]]
         )
+        consistent = None
+        if cfg.check_every > 0 and step % cfg.check_every == 0:
+            # The logged loss (the same on every rank) is compared too.
+            checked = check_consistency(model, optimizer, loss / ctx.world_size, step=step)
+            consistent = checked.ok
+            if report is not None:
+                report.console.print(describe_consistency(checked), soft_wrap=True)
         if report is not None:
             step_time = t_end - t_start
             report.row(
@@ -501,6 +532,7 @@ def main(argv: list[str]) -> None:
                     # servers the sync could not reach (they keep their old weights, unused)
                     "sync_failed": sync_failed,
                     "servers_sampled": sorted({c.server for g in groups for c in g}),
+                    "consistent": consistent,  # None: not checked at this step
                 }
             )
         if not math.isfinite(stats["loss"]):
