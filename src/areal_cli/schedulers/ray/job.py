@@ -270,6 +270,7 @@ def refresh(recs: list[RayRecord], home: Path) -> None:
             rec.reason = "; ".join(f"{lb}: {why}" for lb, why in sorted(killed.items()))
         if killed and (rec.kind != "serve" or len(killed) == len(labels_)):
             rec.state, rec.message = "killed", f"{KILLED_BY_RAY}: {rec.reason}"
+            rec.reason = rec.message
             teardown(rec, home, grace=2.0)
             finish(rec, home)
         elif len(codes) == len(labels_) or (
