@@ -195,6 +195,11 @@ class Scheduler(ABC):
         """Ask a job running in the foreground of this process to stop (signal handlers)."""
         return None
 
+    def check_rows(self, registry: str | None) -> list:
+        """Its rows in `areal doctor check --scheduler NAME` (diagnose.check.Row): whether
+        this host can run jobs on it. None for a scheduler of this host alone."""
+        return []
+
     def run_on_nodes(
         self, job_id: str, commands: dict[str, list[str]], timeout: float
     ) -> dict[str, tuple[str | None, str | None]]:

@@ -216,6 +216,14 @@ class RayScheduler(Scheduler):
             raise UsageError(f"no Ray job {handle.name} under {records.root(self.home)}")
         return recs[0]
 
+    def check_rows(self, registry: str) -> list:
+        """`areal doctor check --scheduler ray`: the client, the cluster, its nodes, and
+        whether they all see the shared files."""
+        from areal_cli.schedulers.ray import check
+
+        return check.rows(self.home, settings.registry_url(registry or self.registry),
+                          self.address)  # fmt: skip
+
     # -- the doctor's reach --------------------------------------------------------------
 
     def run_on_nodes(

@@ -239,6 +239,13 @@ class SlurmScheduler(Scheduler):
             raise UsageError(f"no Slurm job {handle.name} under {records.root(self.home)}")
         return recs[0]
 
+    def check_rows(self, registry: str | None) -> list:
+        """`areal doctor check --scheduler slurm`: Slurm's version and controller, each
+        partition, whether the nodes see the shared files."""
+        from areal_cli.diagnose.check import slurm_rows
+
+        return slurm_rows(self.home, settings.registry_url(registry or self.registry))
+
     # -- the doctor's reach --------------------------------------------------------------
 
     def run_on_nodes(
