@@ -6,7 +6,7 @@ Flags are those of sglang 0.5.23 (srt/arg_groups/fields/*.py, one flag per field
 vllm 0.32/0.33 (engine/arg_utils.py).
 
 On a host without GPUs, SGLang and vLLM run their CPU builds (what `make engines` installs,
-see scripts/engines.sh) when the server's interpreter has one: `cpu_support` asks that
+see scripts/engines.sh) when the server's interpreter has one: `check_cpu_support` asks that
 interpreter, `argv`/`env` with on_gpu=False add the engine's CPU settings, and each replica
 gets cores of its own (`cpu_slices`), which the replica runner pins it to.
 
