@@ -8,8 +8,8 @@ group (the runtime's `dp` mesh dimension, else the whole world). The loss, when 
 one every rank should report (reduced across ranks, as it is logged) and is compared across
 the whole world.
 
-Checksums travel, not tensors: per tensor a float64 sum, a float64 sum of squares and a sum of
-its bit patterns (one all_gather per group of ranks). A tensor whose checksums differ is then
+Checksums travel, not tensors: per tensor its sum, its sum of squares and a wrapped sum of its
+bytes as 64-bit words (one all_gather of float64 triples per group of ranks). A tensor whose checksums differ is then
 confirmed on the tensor itself (all_gathered within its group): the largest absolute
 difference from the reference rank (the majority's value; on a tie, the value of the group's
 lowest rank). At most `confirm` tensors are confirmed; the rest are reported unconfirmed.
@@ -206,28 +206,41 @@ def _placements(t, plain, kind):
 
 
 def _checksum(t):
+    """[sum, sum of squares, wrapped sum of the bytes as 64-bit words] as float64 (the last
+    bit-cast): one pass each in the tensor's own dtype, no float64 copy (that costs 12x)."""
     import torch
 
     flat = t.detach().reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
-    x = flat.to(torch.float64) if flat.dtype != torch.float64 else flat
-    if x.numel() == 0:
+    if flat.numel() == 0:
         return torch.zeros(3, dtype=torch.float64)
-    s = x.sum()
-    sq = torch.dot(x, x)
-    bits = _bits(flat).sum(dtype=torch.int64)
-    return torch.stack([s, sq, bits.view(torch.float64)]).cpu()
+    if flat.is_floating_point():
+        s = flat.sum(dtype=torch.float32 if flat.element_size() < 4 else None)
+        sq = torch.dot(flat, flat) if flat.element_size() >= 4 else (flat.float() ** 2).sum()
+    else:
+        x = flat.to(torch.float64)  # integer and bool buffers are small
+        s, sq = x.sum(), torch.dot(x, x)
+    return torch.stack(
+        [s.to(torch.float64), sq.to(torch.float64), _bits(flat).view(torch.float64)]
+    ).cpu()
 
 
 def _bits(flat):
+    """The bytes as int64 words (the tail as smaller words), summed with wrap-around: any
+    changed bit changes it."""
     import torch
 
-    size = flat.element_size()
-    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
-    if flat.dtype == torch.bool:
-        return flat.to(torch.uint8)
-    return flat.contiguous().view(as_int)
+    raw = flat.contiguous().view(torch.uint8)
+    n = raw.numel() // 8 * 8
+    try:
+        words = raw[:n].view(torch.int64)
+    except RuntimeError:  # a view at an offset that is no multiple of 8 bytes
+        words = raw[:n].clone().view(torch.int64)
+    total = words.sum() if n else torch.zeros((), dtype=torch.int64)
+    if n < raw.numel():
+        total = total + raw[n:].to(torch.int64).sum()
+    return total.reshape(())
 
 
 def _reference(values: list[tuple]) -> int:
