@@ -514,3 +514,26 @@ def test_one_trainer_owns_a_servers_weights_and_the_second_is_refused_at_once(mo
         owner.kill()
         owner.wait()
         srv.stop()
+
+
+# A script that syncs and ends without closing its client.
+NO_CLOSE = textwrap.dedent("""
+    import sys, torch
+    from transformers import AutoModelForCausalLM
+    from areal_cli.worker import sync_weights
+    from areal_cli.worker.rollout import RolloutClient
+    client = RolloutClient([sys.argv[1]], backend="hf")
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[2], dtype=torch.float32)
+    print(sync_weights(model, client, version=1)["servers"], flush=True)
+""")
+
+
+def test_a_trainer_that_ends_without_closing_leaves_no_group_or_owner(models, tiny_server):
+    addr = f"127.0.0.1:{tiny_server.port}"
+    res = subprocess.run([sys.executable, "-c", NO_CLOSE, addr, str(models["tiny"])],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert res.returncode == 0 and addr in res.stdout, res.stderr[-3000:]
+    info = tiny_server.get("/server_info")[1]
+    assert info["weight_update"]["groups"] == [] and info["weight_owner"] is None, info
+    assert version(tiny_server) == "1"

@@ -416,13 +416,15 @@ def release(client: RolloutClient) -> None:
         if client.backend == "vllm"
         else [(addr, "/release_weight_owner", {}) for addr in client.servers]
     )
-    from concurrent.futures import ThreadPoolExecutor
-
     headers = {"Content-Type": "application/json", **client._headers}
     for calls in (destroy, give_up):
-        if calls:
-            with ThreadPoolExecutor(max_workers=min(16, len(calls))) as pool:
-                list(pool.map(lambda c: _post_quietly(*c, headers), calls))
+        # Plain threads: an executor takes no work once the interpreter is exiting.
+        threads = [threading.Thread(target=_post_quietly, args=(*c, headers), daemon=True)
+                   for c in calls]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(RELEASE_TIMEOUT_S + 1)
         if calls is destroy and transfer is not None:
             transfer.close()  # our end last: the servers' ends are gone, nobody waits on it
 
