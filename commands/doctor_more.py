@@ -108,7 +108,9 @@ def _render_diverge(r) -> None:
     if rep["ok"]:
         out.print("[green]all ranks agree[/]")
         return
-    out.print(f"[red]{len(rep['mismatches'])} tensor(s) differ:[/]")
+    odd = sorted({r for m in rep["mismatches"] for r in m["ranks"]})
+    out.print(f"[red]rank(s) {', '.join(map(str, odd))} differ: "
+              f"{len(rep['mismatches'])} mismatch(es)[/]")  # fmt: skip
     for m in rep["mismatches"]:
         diff = "unconfirmed" if m["max_abs_diff"] is None else f"max |diff| {m['max_abs_diff']:.3g}"
         out.print(

@@ -29,8 +29,10 @@ class DivergeResult:
     seconds: float = 0.0
 
     def to_json(self) -> dict:
+        # "seconds" is the check's own time (in the report); wall_s the doctor's.
         return {"job": self.job, "step": self.step, "ranks": self.ranks,
-                "seconds": round(self.seconds, 3), **self.report}  # fmt: skip
+                "not_reached": self.not_reached, "wall_s": round(self.seconds, 3),
+                **self.report}  # fmt: skip
 
 
 def _ask_all(pids: dict[int, int], op: str, timeout: float = 5.0, **args) -> dict[int, dict]:
