@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -21,6 +22,7 @@ from areal_cli import procs, settings
 from areal_cli.diagnose import memory
 from areal_cli.registry.api import ServerEntry
 from areal_cli.registry.file import FileRegistry
+from areal_cli.worker import channel
 
 TP_MESH = {"AREAL_MESH": "pp=1,dp=2,cp=1,tp=2"}
 
@@ -35,6 +37,8 @@ def jobs(tmp_path_factory):
             ("replicated", 2, {"MODE": "replicated"}),
             ("tp", 4, {"MODE": "tp", **TP_MESH}),
             ("fsdp", 2, {"MODE": "fsdp"}),
+            # Steps once, then stops stepping: a step named to it never comes.
+            ("stalled", 2, {"MODE": "replicated", "STEP_S": "1000"}),
         ]:
             started[label] = launch("diverge_job", nproc, tmp, env=env, label=label)
         # An HTTP server the slow job's ranks are given as their inference server, recorded in
@@ -191,6 +195,31 @@ def test_profile_names_the_rank_that_computes_three_times_longer(jobs, tmp_path)
     assert srv["pid"] == s.server_pid and srv["samples"] > 0 and srv["error"] is None
     assert json.loads((out / "server0.speedscope.json").read_text())["profiles"]
     assert wall < 3 + 4, wall  # recording runs in parallel: about the duration, not 3x it
+
+
+def test_a_step_that_never_comes_is_a_timeout_and_stays_armed(jobs):
+    s = jobs["stalled"]
+    reports(s)
+    t0 = time.monotonic()
+    res = areal("diverge", "--pid", str(s.proc.pid), "--timeout", "2", home=home_of(s))
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr and time.monotonic() - t0 < 15
+    said = " ".join(res.stderr.split())
+    step = int(re.search(r"reached step (\d+) within 2s \(steps now \{0: 0, 1: 0\}\)", said)[1])
+    assert "the check stays armed" in said and "areal doctor hang" in said
+    # Armed on every rank still (withdrawing could split the ranks inside the check).
+    for pid in s.rank_pids():
+        got = channel.ask(pid, "diverge_result", step=step, wait=0, home=home_of(s))
+        assert got == {"done": False, "current": 0}
+
+
+def test_memory_of_ranks_without_the_runtime_is_rss_alone(jobs):
+    s = jobs["slow"]
+    res = areal("memory", "--pid", str(s.proc.pid), "--json")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert len(data["ranks"]) == 3
+    assert all(r["rss"] > 0 and r["channel"] == "absent" for r in data["ranks"])
 
 
 def test_bad_targets_are_one_message(jobs, tmp_path):

@@ -91,11 +91,14 @@ def run(job: Job, *, timeout: float = 60.0, lead_s: float = 1.0) -> DivergeResul
     missing = sorted(r for r in pids if not results.get(r, {}).get("done"))
     done = [r for r in sorted(pids) if results.get(r, {}).get("done")]
     if not done:
-        _ask_all(pids, "diverge_cancel", step=target)
-        where = {r: a.get("current") for r, a in results.items()}
+        # Left armed on purpose: withdrawing it now could reach some ranks after the others
+        # entered the check, and those would wait in its collectives for ever.
+        now = _ask_all(pids, "progress")
+        where = {r: a["step"] for r, a in now.items() if isinstance(a, dict)}
         raise WaitTimeout(
-            f"no rank of {job.label} reached step {target} within {timeout:g}s",
-            hint="the job may hang: areal doctor hang" + (f" (steps now {where})" if where else ""),
+            f"no rank of {job.label} reached step {target} within {timeout:g}s (steps now "
+            f"{where}); the check stays armed and runs if they get there",
+            hint="a job that stopped stepping may hang: areal doctor hang",
         )
     report = results[done[0]]["report"]
     return DivergeResult(job.name or job.label, target, report, sorted(pids), missing,
