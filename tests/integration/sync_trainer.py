@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--flatten", action="store_true", help="send flattened_bucket buckets")
     ap.add_argument("--stall-timeout", type=float, default=10.0)
     ap.add_argument("--probe-timeout", type=float, default=5.0)
+    ap.add_argument("--no-instance-id", action="store_true",
+                    help="read /server_info as SGLang answers it: without an instance id")  # fmt: skip
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -60,6 +62,15 @@ def main() -> None:
         stall_timeout=args.stall_timeout,
         probe_timeout=args.probe_timeout,
     )
+    if args.no_instance_id:
+        server_info = client.server_info
+
+        async def without_instance_id(addr: str) -> dict:
+            info = await server_info(addr)
+            info.pop("instance_id", None)
+            return info
+
+        client.server_info = without_instance_id
     for k in range(1, args.syncs + 1):
         if k > 1 and args.wait_file:
             while not Path(args.wait_file).exists():

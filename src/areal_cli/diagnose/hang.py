@@ -105,10 +105,12 @@ def diagnose(
     if cluster:
         opts = dict(samples=samples, interval=interval, native=native,
                     show_locals=show_locals, timeout=timeout)  # fmt: skip
-        reports = [_diagnose_on_nodes(j, **opts) for j in cluster]
+        reports = [_diagnose_on_nodes(j, **opts, with_flight=with_flight) for j in cluster]
+        # No torch analyzer here: it runs with the ranks' interpreter, which is on their nodes.
         rest = [j for j in jobs if not j.scheduler_job_id]
         if rest:
-            reports += diagnose(rest, **opts, on_progress=on_progress)
+            reports += diagnose(rest, **opts, on_progress=on_progress, with_flight=with_flight,
+                                torch_analyzer=torch_analyzer)  # fmt: skip
         if all(rep.analysis.verdict is None for rep in reports):
             _raise_unreadable(reports)
         return reports
@@ -178,8 +180,9 @@ def _diagnose_on_nodes(job: Job, **opts) -> HangReport:
     from areal_cli.diagnose import nodes
 
     started = time.monotonic()
-    found = nodes.sample(job.scheduler_job_id, job.nodes, job.marker, **opts)
+    found = nodes.sample(job.scheduler_job_id, job.nodes, job.marker, reach=job.reach, **opts)
     dump_s = time.monotonic() - started
+    flights: dict[tuple, flight.RankFlight | str] = {}
     known = {(r.node, r.pid): r for r in job.ranks}
     ranks: dict[tuple, RankProc] = {}
     rounds: list[dict[tuple, stacks.Dump]] = [{} for _ in range(max(1, opts["samples"]))]
@@ -194,6 +197,13 @@ def _diagnose_on_nodes(job: Job, **opts) -> HangReport:
         for i, rd in enumerate(res.rounds[: len(rounds)]):
             for pid, d in rd.items():
                 rounds[i][(node, pid)] = d
+        for pid, answer in res.flights.items():
+            try:
+                flights[(node, pid)] = (
+                    flight.parse(answer, pid=pid) if isinstance(answer, dict) else str(answer)
+                )
+            except (ValueError, TypeError, KeyError) as e:
+                flights[(node, pid)] = f"failed: the dump could not be read ({e})"
         if res.error:
             unreachable.append((node, res.error))
             for key, r in known.items():
@@ -207,7 +217,8 @@ def _diagnose_on_nodes(job: Job, **opts) -> HangReport:
             for rd in rounds:
                 rd[key] = stacks.Dump(r.pid, error="the process exited", error_kind="gone")
     job.ranks = sorted(ranks.values(), key=lambda r: r.rank if r.rank is not None else 1 << 30)
-    rep = _judge(job, rounds, permissions.tracer_info(None), key=lambda r: (r.node, r.pid))
+    rep = _judge(job, rounds, permissions.tracer_info(None), key=lambda r: (r.node, r.pid),
+                 flights=flights)  # fmt: skip
     for node, error in unreachable:
         if not any(e.get("node") == node for e in rep.errors):
             rep.errors.append({"rank": None, "pid": None, "node": node, "kind": "unreachable",
@@ -238,7 +249,7 @@ def _judge(
     by_rank: dict[int, flight.RankFlight] = {}
     flight_errors: dict[int, str] = {}
     for r in job.ranks:
-        got = (flights or {}).get(r.pid)
+        got = (flights or {}).get(key(r))
         if isinstance(got, flight.RankFlight):
             by_rank[r.rank if r.rank is not None else got.rank] = got
         elif got is not None and not got.startswith("absent"):

@@ -1,10 +1,13 @@
-"""Stacks of ranks on other nodes of a Slurm job: per node, one
+"""Stacks (and flight recorders) of ranks on other nodes of a cluster job: per node, one
 
     srun --overlap --jobid J -w NODE python -m areal_cli.diagnose.nodes --samples N ...
 
 runs the same sampling as a local `areal doctor hang` on that node's ranks, all nodes at once,
-and sends its dumps back as JSON. The ranks are the pids the rank table names for the node, or,
-where the table has none, the processes of the job there (its marker) that carry RANK.
+and sends its dumps back as JSON, with each rank's flight recorder asked over its doctor
+channel (a Unix socket, so asked on the node) after the last sample. The ranks are the pids the
+rank table names for the node, or, where the table has none, the processes of the job there
+(its marker) that carry RANK. Slurm reaches a node by srun --overlap; another scheduler passes
+its own way (Scheduler.run_on_nodes) as `reach`.
 
 A node that cannot be reached (down, or srun refused) gives an error for each of its ranks,
 naming the node; the verdict is drawn from the others.
@@ -18,7 +21,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from areal_cli.diagnose import stacks
 
@@ -31,6 +34,8 @@ class NodeResult:
     ranks: list[dict]  # {pid, rank, local_rank, world_size, local_world_size}
     rounds: list[dict[int, stacks.Dump]]
     error: str | None = None
+    # pid -> the rank's flight-recorder answer over its doctor channel, or why there is none
+    flights: dict[int, dict | str] = field(default_factory=dict)
 
 
 def sample(
@@ -44,21 +49,22 @@ def sample(
     show_locals: bool = False,
     timeout: float = stacks.DEFAULT_TIMEOUT,
     python: str | None = None,
+    reach=None,
+    with_flight: bool = True,
 ) -> dict[str, NodeResult]:
-    """node → what its ranks' stacks were, every node sampled at the same time. `nodes` maps
-    each node to the pids the rank table names there (empty: find the job's ranks there)."""
+    """node → what its ranks' stacks (and flight recorders) were, every node sampled at the
+    same time. `nodes` maps each node to the pids the rank table names there (empty: find the
+    job's ranks there). `reach`: the scheduler's run_on_nodes; None: srun --overlap (Slurm)."""
     start = time.time() + 0.5  # every node's first sample at one moment
-    groups = _het_groups(job_id)
+    groups = _het_groups(job_id) if reach is None else {}
+    limit = 30 + samples * (interval + timeout)
 
-    def one(node: str) -> NodeResult:
+    def command(node: str) -> list[str]:
         argv = [
-            "srun", "--overlap", f"--jobid={job_id}", "-w", node, "--nodes=1", "--ntasks=1",
-            "--quiet", python or sys.executable, "-m", "areal_cli.diagnose.nodes",
+            python or sys.executable, "-m", "areal_cli.diagnose.nodes",
             "--samples", str(samples), "--interval", str(interval), "--timeout", str(timeout),
             "--start", f"{start:.3f}",
         ]  # fmt: skip
-        if node in groups:
-            argv.insert(3, f"--het-group={groups[node]}")
         if nodes[node]:
             argv += ["--pids", ",".join(map(str, nodes[node]))]
         if marker:
@@ -67,24 +73,43 @@ def sample(
             argv.append("--native")
         if show_locals:
             argv.append("--locals")
-        limit = 30 + samples * (interval + timeout)
+        if not with_flight:
+            argv.append("--no-flight")
+        return argv
+
+    def result(node: str, stdout: str | None, why: str | None) -> NodeResult:
+        try:
+            data = json.loads((stdout or "").strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            return NodeResult(node, [], [], why or f"node {node} answered nothing")
+        rounds = [{int(pid): _dump(d) for pid, d in rd.items()} for rd in data.get("rounds", [])]
+        flights = {int(pid): f for pid, f in (data.get("flights") or {}).items()}
+        return NodeResult(node, data.get("ranks", []), rounds, data.get("error"), flights)
+
+    if reach is not None:
+        got = reach(job_id, {n: command(n) for n in nodes}, limit)
+        return {n: result(n, *got.get(n, (None, f"node {n} was not reached"))) for n in nodes}
+
+    def one(node: str) -> NodeResult:
+        argv = ["srun", "--overlap", f"--jobid={job_id}", "-w", node, "--nodes=1",
+                "--ntasks=1", "--quiet", *command(node)]  # fmt: skip
+        if node in groups:
+            argv.insert(3, f"--het-group={groups[node]}")
         try:
             res = subprocess.run(argv, capture_output=True, text=True, timeout=limit, check=False)
         except subprocess.TimeoutExpired:
             return NodeResult(node, [], [], f"no answer from node {node} within {limit:g}s")
         except OSError as e:
             return NodeResult(node, [], [], f"cannot run srun: {e}")
-        try:
-            data = json.loads(res.stdout.strip().splitlines()[-1])
-        except (ValueError, IndexError):
+        why = None
+        if not res.stdout.strip():
             from areal_cli.schedulers.slurm.cluster import slurm_message
 
             why = (
                 slurm_message(res.stderr) if res.stderr.strip() else f"srun exited {res.returncode}"
             )
-            return NodeResult(node, [], [], f"node {node} cannot be reached: {why}")
-        rounds = [{int(pid): _dump(d) for pid, d in rd.items()} for rd in data.get("rounds", [])]
-        return NodeResult(node, data.get("ranks", []), rounds, data.get("error"))
+            why = f"node {node} cannot be reached: {why}"
+        return result(node, res.stdout, why)
 
     with ThreadPoolExecutor(max_workers=max(1, len(nodes))) as ex:
         return dict(zip(nodes, ex.map(one, nodes), strict=True))
@@ -178,6 +203,28 @@ def _to_json(d: stacks.Dump) -> dict:
     }
 
 
+def _flights(pids: list[int], timeout: float = 3.0) -> dict[str, dict | str]:
+    """pid -> its rank's raw `fr` answer (parsed on the doctor's side), or why there is none."""
+    import threading
+
+    from areal_cli.worker import channel
+
+    out: dict[str, dict | str] = {}
+
+    def one(pid: int) -> None:
+        try:
+            out[str(pid)] = channel.ask(pid, "fr", timeout=timeout)
+        except channel.ChannelError as e:
+            out[str(pid)] = f"{e.kind}: {e}"
+
+    threads = [threading.Thread(target=one, args=(p,), daemon=True) for p in pids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 1.0)
+    return out
+
+
 def node_main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -190,6 +237,7 @@ def node_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start", type=float, default=0.0)
     ap.add_argument("--native", action="store_true")
     ap.add_argument("--locals", action="store_true")
+    ap.add_argument("--no-flight", action="store_true")
     a = ap.parse_args(argv)
     out: dict = {"node": os.environ.get("SLURMD_NODENAME"), "ranks": [], "rounds": []}
     try:
@@ -211,6 +259,10 @@ def node_main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
             out["rounds"].append({str(pid): _to_json(d) for pid, d in dumps.items()})
             previous = dumps
+        if not a.no_flight:
+            # After the last sample, as on one host: the recorder says where the ranks stand
+            # as the last stacks do. The channel is a Unix socket: asked here, on the node.
+            out["flights"] = _flights([r["pid"] for r in ranks])
     except Exception as e:  # reported to the controller, which names this node
         out["error"] = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
     print(json.dumps(out), flush=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +64,9 @@ class Job:
     scheduler_job_id: str | None = None
     nodes: dict[str, list[int]] = field(default_factory=dict)  # node -> rank pids (or none known)
     marker: str | None = None
+    # How to run the doctor's sampler on those nodes (Scheduler.run_on_nodes); None: Slurm's
+    # srun --overlap, as diagnose.nodes does by itself.
+    reach: Callable | None = field(default=None, repr=False, compare=False)
 
     @property
     def world_size(self) -> int:

@@ -14,13 +14,19 @@ Progress, per rank, best evidence first:
 The job is stalled when no rank moved for SECONDS. A rank that spins in one loop looks alive by
 movement; a reporting job catches it (its reports stop).
 
-Scheduler-independent: the local supervisor runs `Watchdog` in a thread of its own.
+Scheduler-independent: the local supervisor runs `Watchdog` in a thread of its own over the
+ranks under its torchruns; a cluster scheduler calls `watch_nodes` with its job, its nodes and
+its way to reach them (Scheduler.run_on_nodes): each look runs `python -m
+areal_cli.diagnose.watchdog --marker M` on every node at once, which reads that node's ranks
+(their doctor channels are Unix sockets, private to the node) and prints their looks; on a
+stall the hang doctor samples every node the same way (diagnose.nodes).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -141,6 +147,9 @@ class StallClock:
 
 
 RanksFn = Callable[[], "object | None"]  # -> a diagnose.targets.Job (ranks with pids), or None
+# -> every rank's look now, keyed by what tells ranks apart (pid; (node, pid) on a cluster), or
+# None while there is nothing to watch
+LooksFn = Callable[[], "dict | None"]
 
 
 class Watchdog:
@@ -154,6 +163,8 @@ class Watchdog:
         on_stall: Callable[[Stall], None],
         server_pids: Callable[[], list[int]] = list,
         tick: float | None = None,
+        looks: LooksFn | None = None,
+        keep_servers: Callable[[Path], None] | None = None,
     ):
         self.seconds = float(seconds)
         self.log_dir = Path(log_dir)
@@ -164,6 +175,10 @@ class Watchdog:
         self.stop = threading.Event()
         self.stalls: list[Stall] = []
         self._thread: threading.Thread | None = None
+        self._looks = looks or self._local_looks
+        self._job = None  # the local ranks, found again while they start or restart
+        if keep_servers is not None:
+            self._keep_servers = keep_servers
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="areal-watchdog", daemon=True)
@@ -174,26 +189,31 @@ class Watchdog:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
 
+    def _local_looks(self) -> dict | None:
+        job = self._job
+        if (
+            job is None
+            or len(job.ranks) < len(job.expected_local_ranks())
+            or any(_gone(r.pid) for r in job.ranks)
+        ):
+            job = self._job = self.ranks()  # ranks start one by one, and restart: find them
+            if job is None or not job.ranks:
+                return None
+        return {r.pid: look(r.pid) for r in job.ranks}
+
     def _run(self) -> None:
         clock = StallClock(self.seconds, time.monotonic())
-        seen: dict[int, tuple] = {}
-        job = None
+        seen: dict = {}
         while not self.stop.wait(self.tick):
-            if (
-                job is None
-                or len(job.ranks) < len(job.expected_local_ranks())
-                or any(_gone(r.pid) for r in job.ranks)
-            ):
-                job = self.ranks()  # ranks start one by one, and restart: find them again
-                if job is None or not job.ranks:
-                    clock.update(True, time.monotonic())  # nothing to watch is no stall
-                    continue
-            looks = {r.pid: look(r.pid) for r in job.ranks}
-            any_moved = any(moved(seen.get(pid), now) for pid, now in looks.items())
+            looks = self._looks()
+            if not looks:
+                clock.update(True, time.monotonic())  # nothing to watch is no stall
+                continue
+            any_moved = any(moved(seen.get(key), now) for key, now in looks.items())
             seen = looks
             now = time.monotonic()
             if clock.update(any_moved, now) and not self.stop.is_set():
-                job = self.ranks() or job  # as they are now
+                job = self.ranks() or self._job  # as they are now
                 stall = self._diagnose(job, now - clock.last_progress, clock.last_progress)
                 self.stalls.append(stall)
                 try:
@@ -202,7 +222,7 @@ class Watchdog:
                     pass
                 # The doctor's py-spy attach woke the ranks: what they do from here on is
                 # measured from now, so a job still hung is not called moving, nor stalled again.
-                seen = {r.pid: look(r.pid) for r in job.ranks}
+                seen = self._looks() or {}
 
     def _diagnose(self, job, idle_s: float, last_progress: float) -> Stall:
         from areal_cli.diagnose import hang
@@ -280,3 +300,132 @@ def log_line(log_dir: str | Path, stall: Stall, seconds: float) -> str:
     if stall.bundle:
         Path(stall.bundle, "verdict.json").write_text(json.dumps(stall.to_json(), indent=2) + "\n")
     return line
+
+
+# --------------------------------------------------------------------------- on a cluster
+
+# reach(job_id, {node: argv}, timeout) -> {node: (stdout, why not)}: Scheduler.run_on_nodes
+ReachFn = Callable[[str, dict, float], dict]
+
+
+def cluster_tick(seconds: float) -> float:
+    """Seconds between looks on a cluster: each look starts a process on every node (an srun
+    on Slurm, which costs the controller an RPC), so at most one a second and at least one in
+    10 s, the margin the verdict has past SECONDS."""
+    return min(10.0, max(1.0, seconds / 10))
+
+
+def watch_nodes(
+    seconds: float,
+    log_dir: str | Path,
+    *,
+    job_id: str,
+    nodes: Callable[[], list[str]],
+    marker: str,
+    reach: ReachFn,
+    label: str,
+    on_stall: Callable[[Stall], None],
+    servers: Callable[[], dict[str, list[int]]] = dict,
+    python: str | None = None,
+    tick: float | None = None,
+) -> Watchdog:
+    """The watchdog on a job of a cluster scheduler, started: every tick, each node's ranks (the
+    job's processes there carrying RANK, found by `marker`) are looked at where they run; on a
+    stall the hang doctor samples every node through `reach`, and `servers` (node -> pids of the
+    job's servers there) get their stacks kept in the bundle. `nodes` is asked at every look
+    (a job's nodes are known once it runs)."""
+    from areal_cli.diagnose import targets
+
+    py = python or sys.executable
+    limit = 15.0
+
+    def looks() -> dict | None:
+        names = nodes()
+        if not names:
+            return None
+        argv = [py, "-m", "areal_cli.diagnose.watchdog", "--marker", marker]
+        got = reach(job_id, {n: argv for n in names}, limit)
+        out: dict = {}
+        for node, (stdout, _why) in got.items():
+            try:
+                answer = json.loads((stdout or "").strip().splitlines()[-1])
+            except (ValueError, IndexError):
+                continue  # a node that did not answer shows no progress this time
+            for pid, lk in (answer.get("looks") or {}).items():
+                out[(node, int(pid))] = tuple(lk)
+        return out or None
+
+    def ranks():
+        return targets.Job(
+            label=label, ranks=[], name=label, scheduler_job_id=job_id,
+            nodes={n: [] for n in nodes()}, marker=marker, reach=reach,
+        )  # fmt: skip
+
+    def keep_servers(bundle: Path) -> None:
+        where = {n: p for n, p in servers().items() if p}
+        if not where:
+            return
+        out = bundle / "servers"
+        out.mkdir(parents=True, exist_ok=True)
+        cmds = {n: [py, "-m", "areal_cli.diagnose.watchdog", "--dump", ",".join(map(str, p))]
+                for n, p in where.items()}  # fmt: skip
+        for node, (stdout, why) in reach(job_id, cmds, 60.0).items():
+            try:
+                dumps = json.loads((stdout or "").strip().splitlines()[-1])["dumps"]
+            except (ValueError, IndexError, KeyError, TypeError):
+                (out / f"{node}.error.txt").write_text(f"{why or 'no answer'}\n")
+                continue
+            for pid, d in dumps.items():
+                if d.get("raw"):
+                    (out / f"server-{node}-pid{pid}.json").write_text(d["raw"])
+                else:
+                    (out / f"server-{node}-pid{pid}.error.txt").write_text(f"{d.get('error')}\n")
+
+    dog = Watchdog(
+        seconds, log_dir, ranks=ranks, on_stall=on_stall, tick=tick or cluster_tick(seconds),
+        looks=looks, keep_servers=keep_servers,
+    )  # fmt: skip
+    dog.start()
+    return dog
+
+
+def _node_looks(marker: str) -> dict:
+    """This node's side of a look: the job's ranks here and their looks."""
+    from areal_cli.diagnose import nodes
+
+    ranks = nodes._ranks_here([], marker)
+    return {"node": os.environ.get("SLURMD_NODENAME") or os.environ.get("AREAL_NODE_NAME"),
+            "looks": {str(r["pid"]): list(look(r["pid"])) for r in ranks}}  # fmt: skip
+
+
+def _node_dump(pids: list[int]) -> dict:
+    from areal_cli.diagnose import stacks
+
+    try:
+        dumps = stacks.dump_many(pids, pyspy=stacks.require_pyspy())
+    except Exception as e:
+        return {"dumps": {str(p): {"error": str(getattr(e, "message", e))} for p in pids}}
+    return {"dumps": {str(p): {"raw": d.raw if d.ok else "", "error": d.error}
+                      for p, d in dumps.items()}}  # fmt: skip
+
+
+def node_main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m areal_cli.diagnose.watchdog")
+    ap.add_argument("--marker")
+    ap.add_argument("--dump", default="")
+    a = ap.parse_args(argv)
+    try:
+        if a.dump:
+            out = _node_dump([int(p) for p in a.dump.split(",") if p.strip()])
+        else:
+            out = _node_looks(a.marker or "")
+    except Exception as e:  # reported to the watcher, which sees no progress from this node
+        out = {"error": f"{type(e).__name__}: {e}"}
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(node_main())

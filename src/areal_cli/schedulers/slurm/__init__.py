@@ -225,6 +225,7 @@ class SlurmScheduler(Scheduler):
             reason=rec.reason,
             marker=rec.marker,
             registry=rec.registry,
+            watchdog=_stall(rec),
         )
 
     def _handle(self, rec) -> Handle:
@@ -339,6 +340,13 @@ class SlurmScheduler(Scheduler):
         cancelled = f"Slurm job {rec.job_id}" if was_running else None
         return StopResult(rec.name, was_running, int(was_running), deregistered, cancelled,
                           left=left)  # fmt: skip
+
+
+def _stall(rec) -> dict | None:
+    """The last stall the job's watchdog diagnosed (it runs in the batch job)."""
+    from areal_cli.schedulers.slurm.watch import read_stall
+
+    return read_stall(rec.run_dir) if rec.kind != "serve" else None
 
 
 def _het_groups(job_id: str) -> dict[str, int]:

@@ -249,7 +249,13 @@ def finish(
     the record says how it ended. Returns the registry entries removed; what could not be
     removed is told in `left`."""
     from areal_cli.registry import open_registry
+    from areal_cli.schedulers.slurm import watch
 
+    stalled = watch.failed_by_watchdog(rec.run_dir)
+    if stalled is not None and (rec.message is None or rec.message.startswith("ended (")):
+        # --watchdog-action fail ended it: that stall is why, not the step's exit code.
+        rec.state, rec.exit_code = "failed", 1
+        rec.message = f"watchdog: {watch.headline(stalled)}"
     if info is not None and rec.message is None:
         rec.message = {
             "cancelled": "cancelled outside areal (scancel, or an administrator)",
@@ -331,7 +337,9 @@ def _follow(plan: SlurmPlan, on_line, stop: threading.Event) -> threading.Thread
     """Feed the job's new log lines to `on_line` until `stop`: its own roles only (a training
     job's terminal shows no serving job's lines), and of files that already exist only what the
     job writes (it starts them afresh)."""
-    roles = (("server",) if plan.servers else ()) + (("rank", "torchrun") if plan.trainers else ())
+    roles = (("server",) if plan.servers else ()) + (
+        ("rank", "torchrun", "watchdog") if plan.trainers else ()
+    )
     follower = logfiles.Follower(Path(plan.log_dir), history=None, roles=roles)
     for label, path in logfiles.select_logs(Path(plan.log_dir)).items():
         try:
@@ -589,6 +597,17 @@ class Watch:
             raise LaunchError(f"{job} ran out of memory (Slurm: OUT_OF_MEMORY)",
                               hint="ask for more with --slurm-arg=--mem=...")  # fmt: skip
         if self.plan.trainers:
+            from areal_cli.schedulers.slurm import watch
+
+            stalled = watch.failed_by_watchdog(self.run)
+            if stalled is not None:
+                self.on_event("trainer_exit", {"label": "torchrun", "code": 1})
+                raise LaunchError(
+                    f"watchdog: {watch.headline(stalled)}",
+                    detail=f"no rank progressed for {stalled.get('seconds', 0):g}s",
+                    hint=f"the stacks, flight recorder dumps and last log lines: "
+                    f"{stalled.get('bundle')}",
+                )
             code = self._exit_code("torchrun")
             if code is None:
                 code = info.exit_code if info and info.exit_code is not None else 1

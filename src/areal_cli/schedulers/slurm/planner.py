@@ -138,6 +138,8 @@ def plan(spec: JobSpec, home: Path, registry_url: str, check_packages: bool = Tr
         time=opts.time,
         slurm_args=list(opts.extra_args),
         runner_python=sys.executable,
+        watchdog=spec.watchdog if spec.trainer else 0.0,
+        watchdog_action=spec.watchdog_action,
     )
     if spec.servers:
         _plan_servers(p, spec, part_gpus, check_packages)

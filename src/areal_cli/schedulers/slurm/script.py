@@ -83,13 +83,25 @@ def render(plan: SlurmPlan) -> str:
         if p.nodes > 1:
             runner += ["--rendezvous-file", f"$RUN/{RENDEZVOUS_FILE}"]
         lines += _step("torchrun", _srun(p, het, exact=False), runner, p.argv)
+        lines += ["trainer=$!"]
+        if plan.watchdog > 0:
+            lines += [
+                "",
+                f"# The watchdog (--watchdog {plan.watchdog:g}): on this node, beside training.",
+                '"$PY" -m areal_cli.schedulers.slurm.watch "$RUN" "$trainer" &',
+                "watcher=$!",
+            ]
         lines += [
-            "trainer=$!",
             "",
             "# The job ends with training; Slurm then stops the servers' steps.",
             'wait "$trainer"',
             'code=$(cat "$RUN/torchrun.exit" 2>/dev/null || echo 1)',
         ]
+        if plan.watchdog > 0:
+            lines += [
+                'kill "$watcher" 2>/dev/null',
+                '[ -e "$RUN/watchdog.fail" ] && code=1  # the watchdog ended a stalled job',
+            ]
     if not trainers:
         lines += [
             "",
