@@ -101,17 +101,26 @@ def test_a_changed_parameter_on_one_replica_is_named_with_its_rank(jobs):
     s = jobs["replicated"]
     got = reports(s)
     assert got[0]["mismatches"] == got[1]["mismatches"]  # every rank gets the whole report
-    (m,) = got[0]["mismatches"]
+    mism = {m["name"]: m for m in got[0]["mismatches"]}
+    # The parameter, what backward made of it, and the loss; all on rank 1.
+    assert list(mism) == ["weight", "weight.grad", "bias.grad", "loss"]
+    m = mism["weight"]
     assert (m["name"], m["kind"], m["dim"], m["ranks"], m["reference_rank"]) == (
         "weight", "param", "dp", [1], 0
     )  # fmt: skip
     assert m["max_abs_diff"] == pytest.approx(0.5) and m["shape"] == [8, 8]
+    assert mism["weight.grad"]["kind"] == "grad" and mism["loss"]["dim"] == "world"
+    assert all(x["ranks"] == [1] and x["max_abs_diff"] > 0 for x in mism.values())
+    assert "bias" not in mism  # equal on both ranks
     # The live job, over the doctor channel, at a step all ranks reach together.
     res = areal("diverge", "--pid", str(s.proc.pid), "--json", home=home_of(s))
     assert res.returncode == 1, res.stderr + res.stdout
     data = json.loads(res.stdout)
     assert not data["ok"] and data["step"] > 0 and data["ranks"] == [0, 1]
-    assert [(x["name"], x["ranks"]) for x in data["mismatches"]] == [("weight", [1])]
+    # The model the rank named (no loss: that belongs to a step).
+    assert [(x["name"], x["ranks"]) for x in data["mismatches"]] == [
+        ("weight", [1]), ("weight.grad", [1]), ("bias.grad", [1])
+    ]  # fmt: skip
     text = areal("diverge", "--pid", str(s.proc.pid), home=home_of(s))
     assert "weight (param, [8, 8]) along dp [0, 1]: rank(s) [1] differ from rank 0" in (
         text.stdout

@@ -1,6 +1,7 @@
 """diverge: ranks that should agree, on areal's worker runtime. MODE picks what disagrees:
 
-    replicated   a plain model on 2 ranks; rank 1's weight[2, 3] is off by 0.5
+    replicated   a plain model on 2 ranks; rank 1's weight[2, 3] is off by 0.5, and so its
+                 gradients and loss after the same batch
     tp           dp=2 x tp=2 (AREAL_MESH); a norm weight replicated on both dims drifts by
                  1e-3 on rank 3; a tp-sharded weight differs by design
     fsdp         FSDP2 on 2 ranks with a buffer and a reduced loss: all agree
@@ -33,6 +34,9 @@ if MODE == "replicated":
     if sc.RANK == 1:
         with torch.no_grad():
             model.weight[2, 3] += 0.5
+    # The same batch on both ranks: the changed weight changes its gradients and the loss.
+    loss = model(torch.ones(4, 8)).square().sum()
+    loss.backward()
 elif MODE == "tp":
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
