@@ -231,6 +231,8 @@ def profile_cmd(
     mean time it computes between two collectives; the rank that computes clearly
     longest while the others wait in collectives is named the straggler.
 
+    Exit code: 0 recorded · 1 a process could not be recorded · 2 bad target.
+
     \b
     Examples:
       areal doctor profile --job myexp/trial0 --duration 10 --out ./prof
@@ -281,9 +283,13 @@ def profile_cmd(
     if json_out:
         data = [r.to_json() for r in reports]
         console.print_json(data[0] if len(data) == 1 else {"jobs": data})
-        return
-    for rep, j in zip(reports, jobs, strict=True):
-        _render_profile(rep, out_dir if len(jobs) == 1 else out_dir / f"job{jobs.index(j)}")
+    else:
+        for i, rep in enumerate(reports):
+            _render_profile(rep, out_dir if len(jobs) == 1 else out_dir / f"job{i}")
+    if any(r.error for rep in reports for r in rep.ranks):
+        from areal_cli.errors import EXIT_FAILED
+
+        raise typer.Exit(EXIT_FAILED)
 
 
 def _render_profile(rep, where: Path) -> None:

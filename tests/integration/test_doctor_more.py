@@ -239,6 +239,11 @@ def test_bad_targets_are_one_message(jobs, tmp_path):
     assert "Traceback" not in res.stderr
     res = areal("profile", "--pid", "4194000", "--out", str(tmp_path / "x"))
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    (tmp_path / "file").write_text("")
+    res = areal("profile", "--pid", str(s.proc.pid), "-d", "1", "--out", str(tmp_path / "file"))
+    assert res.returncode == 2 and "exists and is not a folder" in res.stderr, res.stderr
+    res = areal("memory", "--pid", str(s.proc.pid), "--snapshot", str(tmp_path / "file"))
+    assert res.returncode == 2 and "exists and is not a folder" in res.stderr, res.stderr
 
 
 def test_cgroup_limits_v1_and_v2(tmp_path):

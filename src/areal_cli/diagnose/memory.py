@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 
+from areal_cli.diagnose.profile import output_dir
 from areal_cli.diagnose.targets import Job
 from areal_cli.worker import channel
 
@@ -159,7 +160,7 @@ def smaps_rollup(pid: int) -> dict[str, int]:
 def snapshot(rep: MemoryReport, out_dir: str | Path) -> list[dict]:
     """One file per rank under out_dir: torch's CUDA snapshot, or the RSS breakdown."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    output_dir(out)
     done = []
     for r in rep.ranks:
         entry: dict = {"rank": r.rank, "pid": r.pid}

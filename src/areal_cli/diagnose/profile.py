@@ -29,6 +29,7 @@ from pathlib import Path
 
 from areal_cli.diagnose import collectives, stacks
 from areal_cli.diagnose.targets import Job
+from areal_cli.errors import UsageError
 
 STRAGGLER_RATIO = 1.5  # compute between collectives vs the median of the other ranks
 MIN_WAIT_SHARE = 0.2  # the others must spend this much in collectives
@@ -76,7 +77,7 @@ def record(
     t0 = time.monotonic()
     pyspy = stacks.require_pyspy()
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    output_dir(out)
     targets = [
         RankProfile(r.rank if r.rank is not None else i, r.pid) for i, r in enumerate(job.ranks)
     ]
@@ -133,6 +134,17 @@ def record(
     rep.wall_s = round(time.monotonic() - t0, 3)
     (out / "summary.json").write_text(json.dumps(rep.to_json(), indent=1))
     return rep
+
+
+def output_dir(path: Path) -> Path:
+    """Make the folder results go to, or say why it cannot be (exit 2, before any work)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UsageError(f"{path} exists and is not a folder") from None
+    except OSError as e:
+        raise UsageError(f"cannot make {path}: {e.strerror}") from None
+    return path
 
 
 def main_thread(data: dict) -> tuple[list[list[dict]], list[float]]:
