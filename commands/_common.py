@@ -30,9 +30,17 @@ RegistryOpt = typer.Option(
 )
 JsonOpt = typer.Option(False, "--json", help="Machine-readable output on stdout.")
 SchedulerOpt = typer.Option(
-    None, "--scheduler", help="local | slurm (env AREAL_SCHEDULER; default local)."
+    None,
+    "--scheduler",
+    help="local | slurm | ray, or one AREAL_SCHEDULERS adds (env AREAL_SCHEDULER; default local).",
 )
-# Where Slurm puts the job (--scheduler slurm only).
+SchedulerOptOpt = typer.Option(
+    None,
+    "--scheduler-opt",
+    help="An option of the scheduler, KEY=VALUE (repeatable), e.g. address=HEAD:6379 for ray; "
+    "`areal doctor check --scheduler NAME` lists them.",
+)
+# Flags kept for options a scheduler declares (Scheduler.runopts names its flag): Slurm's.
 PartitionOpt = typer.Option(None, "--partition", help="Slurm partition (default: the cluster's).")
 AccountOpt = typer.Option(None, "--account", help="Slurm account to charge.")
 TimeOpt = typer.Option(None, "--time", help="Slurm time limit, e.g. 4:00:00.")
@@ -44,7 +52,7 @@ SlurmArgOpt = typer.Option(
 )
 SLURM_KEYS = {
     "partition": "str", "account": "str", "time": "str", "gpus_per_node": "posint",
-    "slurm_arg": "list",
+    "slurm_arg": "list", "scheduler_opts": "mapping",
 }  # fmt: skip
 
 COLORS = [
@@ -148,6 +156,7 @@ def _convert(path: Path, key: str, v: Any, kind: str) -> Any:
         want = {
             "posint": "an integer >= 1", "port": "a port (1-65535)", "list": "a list",
             "posfloat": "a number > 0", "nonneg": "a number >= 0",
+            "mapping": "a mapping of option: value",
         }  # fmt: skip
         return UsageError(
             f"config file {path}: {key} is {_short_repr(v)}, not {want.get(kind, 'a ' + kind)}"
@@ -157,6 +166,14 @@ def _convert(path: Path, key: str, v: Any, kind: str) -> Any:
         if not isinstance(v, list) or any(isinstance(x, (dict, list)) for x in v):
             raise bad()
         return [str(x) for x in v]
+    if kind == "mapping":  # flat: a key to a plain value or a flat list
+        if not isinstance(v, dict) or any(
+            isinstance(x, dict)
+            or (isinstance(x, list) and any(isinstance(y, (dict, list)) for y in x))
+            for x in v.values()
+        ):
+            raise bad()
+        return {str(k).replace("-", "_"): x for k, x in v.items()}
     if kind == "bool":
         if not isinstance(v, bool):
             raise bad()
@@ -292,26 +309,90 @@ def show_plan(request, json_out: bool) -> None:
 
 
 def scheduler_opts(
-    name: str | None, config: dict, partition, account, time, gpus_per_node, slurm_arg
+    name: str | None,
+    config: dict,
+    partition,
+    account,
+    time,
+    gpus_per_node,
+    slurm_arg,
+    scheduler_opt=None,
 ):
-    """The Slurm options (flag > job YAML); given to another scheduler they are a usage error."""
+    """The chosen scheduler's options, from its flags, `--scheduler-opt KEY=VALUE`, and the
+    job YAML (`scheduler_opts:` or a flag's key), checked against what the scheduler declares
+    (Scheduler.runopts): one it does not take is a usage error naming those it does."""
     from areal_cli import schedulers
     from areal_cli.spec import SchedulerOpts
 
-    opts = SchedulerOpts(
-        partition=pick(partition, config, "partition", None),
-        account=pick(account, config, "account", None),
-        time=pick(time, config, "time", None),
-        gpus_per_node=pick(gpus_per_node, config, "gpus_per_node", None),
-        extra_args=tuple(slurm_arg or config.get("slurm_arg") or ()),
-    )
     chosen = schedulers.pick(name, config)
-    if opts.given() and chosen != "slurm":
-        raise UsageError(
-            f"{', '.join(opts.given())}: Slurm options, but the scheduler is {chosen}",
-            hint="add --scheduler slurm (or scheduler: slurm in the job YAML)",
-        )
-    return opts
+    declared = {o.name: o for o in schedulers.scheduler_class(chosen).runopts}
+    flags = {"partition": partition, "account": account, "time": time,
+             "gpus_per_node": gpus_per_node, "slurm_arg": slurm_arg or None}  # fmt: skip
+    given: dict[str, tuple[str, Any]] = {}
+    for key in flags:
+        if config.get(key) not in (None, []):
+            given[key] = (f"{key} in the job YAML", config[key])
+    for key, value in (config.get("scheduler_opts") or {}).items():
+        given[key] = (f"scheduler_opts.{key} in the job YAML", value)
+    for item in scheduler_opt or ():
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise UsageError(
+                f"--scheduler-opt {item!r} is not KEY=VALUE",
+                hint="e.g. --scheduler-opt address=HEAD:6379",
+            )
+        if key in declared and declared[key].kind == "list":
+            before = given.get(key, ("", []))[1] if key in given else []
+            value = [*(before if isinstance(before, list) else [before]), value]
+        given[key] = (f"--scheduler-opt {key}", value)
+    for key, value in flags.items():
+        if value not in (None, []):
+            given[key] = (f"--{key.replace('_', '-')}", value)
+    values = {}
+    for key, (where, value) in given.items():
+        opt = declared.get(key)
+        if opt is None:
+            known = ", ".join(f"{o.name} ({o.help})" for o in declared.values()) or "none"
+            owners = [n for n in schedulers.NAMES if n != chosen and _declares(n, key)]
+            also = (
+                f"it is an option of {' and '.join(owners)}: add --scheduler {owners[0]} (or "
+                f"scheduler: {owners[0]} in the job YAML); "
+                if owners
+                else ""
+            )
+            raise UsageError(
+                f"{where}: not an option of the {chosen} scheduler",
+                hint=f"{also}the {chosen} scheduler takes: {known}",
+            )
+        values[key] = _runopt_value(opt, value, where)
+    return SchedulerOpts(tuple(sorted(values.items())))
+
+
+def _declares(name: str, key: str) -> bool:
+    from areal_cli import schedulers
+
+    try:
+        return any(o.name == key for o in schedulers.scheduler_class(name).runopts)
+    except UsageError:
+        return False
+
+
+def _runopt_value(opt, value, where: str):
+    if opt.kind == "list":
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return tuple(str(x) for x in items)
+    if isinstance(value, (list, tuple, dict)):
+        raise UsageError(f"{where}: {opt.name} takes one value")
+    if opt.kind == "posint":
+        try:
+            n = int(str(value))
+        except ValueError:
+            n = 0
+        if n < 1 or isinstance(value, bool):
+            raise UsageError(f"{where}: {opt.name} is {value!r}, not an integer >= 1")
+        return n
+    return str(value)
 
 
 def scheduler_for(name: str | None, config: dict, home, registry):
@@ -339,7 +420,7 @@ def run_foreground(sched, request, json_out: bool = False) -> None:
             err.print(f"[green]healthy[/] {info['label']} at http://{info['addr']}{node}")
         elif kind == "running":
             nodes = ",".join(info["nodes"])
-            err.print(f"[green]running[/] Slurm job {info['job_id']} on {nodes}")
+            err.print(f"[green]running[/] {sched.label} job {info['job_id']} on {nodes}")
         elif kind == "ready" and not plan.trainers:
             n = len(info["servers"])
             err.print(f"[bold green]ready[/] {name}: {n} server(s) registered; Ctrl-C stops them")
@@ -410,7 +491,7 @@ def run_detached(sched, request, json_out: bool) -> None:
     if json_out:
         console.print_json({**job.to_json(), "servers": servers})
         return
-    where = f" (Slurm job {handle.job_id})" if handle.job_id else ""
+    where = f" ({sched.label} job {handle.job_id})" if handle.job_id else ""
     console.out.print(
         f"[green]ready[/] {handle.name}{where}: {len(servers)} server(s) healthy and registered"
     )

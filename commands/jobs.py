@@ -87,7 +87,7 @@ def _ps_table(jobs_: list[dict]) -> None:
             w = j["watchdog"]
             odd = f" ranks {','.join(map(str, w['odd_ranks']))}" if w.get("odd_ranks") else ""
             state += f"\n[red]stalled: {escape(str(w.get('kind')))}{odd}[/]"
-        if j["scheduler"] == "local":
+        if not j["job_id"]:  # processes of this host, no cluster job
             where = "pids " + " ".join(map(str, j["pids"]))
         else:
             where = f"{j['scheduler']} {j['job_id']}" + (

@@ -19,6 +19,7 @@ from ._common import (
     PartitionOpt,
     RegistryOpt,
     SchedulerOpt,
+    SchedulerOptOpt,
     SlurmArgOpt,
     TimeOpt,
     TrialOpt,
@@ -128,6 +129,7 @@ def register(app: typer.Typer) -> None:
         time: str = TimeOpt,
         gpus_per_node: int = GpusPerNodeOpt,
         slurm_arg: list[str] = SlurmArgOpt,
+        scheduler_opt: list[str] = SchedulerOptOpt,
         json_out: bool = JsonOpt,
     ) -> None:
         from areal_cli import models
@@ -135,7 +137,9 @@ def register(app: typer.Typer) -> None:
         from areal_cli.spec import JobSpec, ServerRole
 
         cfg = load_config(config, CONFIG_KEYS)
-        where = scheduler_opts(scheduler, cfg, partition, account, time, gpus_per_node, slurm_arg)
+        where = scheduler_opts(
+            scheduler, cfg, partition, account, time, gpus_per_node, slurm_arg, scheduler_opt
+        )
         model = pick(model, cfg, "model", None)
         if not model:
             raise UsageError("--model is required", hint="areal serve --model /path/to/model")

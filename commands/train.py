@@ -21,6 +21,7 @@ from ._common import (
     PartitionOpt,
     RegistryOpt,
     SchedulerOpt,
+    SchedulerOptOpt,
     SlurmArgOpt,
     TimeOpt,
     TrialOpt,
@@ -155,6 +156,7 @@ def register(app: typer.Typer) -> None:
         time: str = TimeOpt,
         gpus_per_node: int = GpusPerNodeOpt,
         slurm_arg: list[str] = SlurmArgOpt,
+        scheduler_opt: list[str] = SchedulerOptOpt,
         json_out: bool = JsonOpt,
     ) -> None:
         from areal_cli import discovery, models
@@ -163,7 +165,9 @@ def register(app: typer.Typer) -> None:
         from areal_cli.spec import JobSpec, ServerRole, TrainerRole
 
         cfg = load_config(config, CONFIG_KEYS)
-        where = scheduler_opts(scheduler, cfg, partition, account, time, gpus_per_node, slurm_arg)
+        where = scheduler_opts(
+            scheduler, cfg, partition, account, time, gpus_per_node, slurm_arg, scheduler_opt
+        )
         alloc = pick(alloc, cfg, "alloc", None)
         if not alloc:
             raise UsageError(

@@ -54,20 +54,18 @@ class TrainerRole:
 
 @dataclass(frozen=True)
 class SchedulerOpts:
-    """Where a cluster scheduler puts the job (Slurm's --partition, --account, --time), how many
-    GPUs a node offers, and arguments passed to it as they are."""
+    """The options of the job's scheduler, by name: each scheduler declares its own
+    (Scheduler.runopts; Slurm's partition, Ray's address). One not set reads as None."""
 
-    partition: str | None = None
-    account: str | None = None
-    time: str | None = None
-    gpus_per_node: int | None = None
-    extra_args: tuple[str, ...] = ()
+    values: tuple[tuple[str, object], ...] = ()
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return dict(object.__getattribute__(self, "values")).get(name)
 
     def given(self) -> list[str]:
-        """The options set, as flags (for a message naming them)."""
-        names = ("partition", "account", "time", "gpus_per_node", "extra_args")
-        flags = {"gpus_per_node": "--gpus-per-node", "extra_args": "--slurm-arg"}
-        return [flags.get(n, f"--{n}") for n in names if getattr(self, n)]
+        return [k for k, v in self.values if v not in (None, (), [])]
 
 
 @dataclass(frozen=True)
