@@ -90,6 +90,12 @@ def test_a_stalled_two_node_job_gets_one_verdict_and_a_bundle_with_areal_gone(sl
         assert "stalled: mismatched_collective ranks 1" in areal("ps", check=0).stdout
         shown = areal("logs", "default/trial0", check=0).stdout
         assert "[watchdog]" in shown and "verdict mismatched_collective" in shown
+        # doctor hang on the Slurm job joins each rank's flight recorder, fetched on its node.
+        res = areal("doctor", "hang", "--job", "default/trial0", "--json", timeout=120)
+        report = json.loads(res.stdout)
+        assert report["flight"] == {"ranks": [0, 1], "errors": {}, "torch_analysis": []}, report
+        text = areal("doctor", "hang", "--job", "default/trial0", timeout=120).stdout
+        assert "collective #3" in text and "collective #2" in text, text
         print(f"\nSlurm watchdog: verdict {stall['latency_s']:.1f}s after the last progress "
               f"(--watchdog 4), {took:.1f}s from submission")  # fmt: skip
     finally:
