@@ -526,7 +526,10 @@ def check_cmd(
         None, "--registry", help="Registry root (default AREAL_REGISTRY)."
     ),
     scheduler: str = typer.Option(
-        None, "--scheduler", help="slurm: also the cluster (version, partitions, shared files)."
+        None,
+        "--scheduler",
+        help="Also the scheduler's own rows: slurm (version, partitions, shared files), ray "
+        "(client and cluster, nodes, shared files).",
     ),
 ) -> None:
     """Is this host ready to run and debug jobs? One row per fact, with the fix.

@@ -48,8 +48,11 @@ def run_checks(
     rows += registry_rows(settings.registry_url(registry))
     sglang_runs = any("sglang" in e.versions or e.backend == "sglang" for e in engines)
     rows += [leftovers_row(settings.home(home)), api_keys_row(settings.home(home), sglang_runs)]
-    if scheduler == "slurm":
-        rows += slurm_rows(settings.home(home), settings.registry_url(registry))
+    if scheduler:
+        from areal_cli import schedulers
+
+        sched = schedulers.get(scheduler, home=settings.home(home), registry=registry)
+        rows += sched.check_rows(settings.registry_url(registry))
     return rows
 
 

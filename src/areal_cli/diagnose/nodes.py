@@ -153,21 +153,27 @@ def _dump(d: dict) -> stacks.Dump:
 # -- the node's side ------------------------------------------------------------------------
 
 
+def _node_here() -> str | None:
+    """The node its scheduler says this is (several may share one host), or None."""
+    return os.environ.get("AREAL_NODE_NAME") or os.environ.get("SLURMD_NODENAME")
+
+
 def _ranks_here(pids: list[int], marker: str | None) -> list[dict]:
     """The ranks to dump on this node: the given pids, or the job's processes carrying RANK."""
     from areal_cli import procs
     from areal_cli.diagnose.targets import _Tree
 
     tree = _Tree()
-    here = os.environ.get("SLURMD_NODENAME")
+    here = _node_here()
     candidates = set(pids)
     if not candidates and marker:
         for p in procs.find_marked(marker):
             try:
-                node = p.environ().get("SLURMD_NODENAME")
+                env = p.environ()
+                node = env.get("AREAL_NODE_NAME") or env.get("SLURMD_NODENAME")
             except Exception:
                 continue
-            # Several slurmd may share a host: only this node's ranks.
+            # Several nodes (slurmd, raylets) may share a host: only this node's ranks.
             if here is None or node in (None, here):
                 candidates.add(p.pid)
     out = []
@@ -239,7 +245,7 @@ def node_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--locals", action="store_true")
     ap.add_argument("--no-flight", action="store_true")
     a = ap.parse_args(argv)
-    out: dict = {"node": os.environ.get("SLURMD_NODENAME"), "ranks": [], "rounds": []}
+    out: dict = {"node": _node_here(), "ranks": [], "rounds": []}
     try:
         pids = [int(p) for p in a.pids.split(",") if p.strip()]
         out["ranks"] = ranks = _ranks_here(pids, a.marker)

@@ -60,7 +60,7 @@ class Job:
     ranks: list[RankProc]
     launcher_pid: int | None = None
     name: str | None = None  # experiment/trial for --job
-    # A cluster job (Slurm): its id, the nodes to reach, and where the marker finds its ranks.
+    # A cluster job: its id, the nodes to reach, and where the marker finds its ranks.
     scheduler_job_id: str | None = None
     nodes: dict[str, list[int]] = field(default_factory=dict)  # node -> rank pids (or none known)
     marker: str | None = None
@@ -236,14 +236,18 @@ def _from_job(name: str, home: str | Path | None) -> Job:
 
 def _from_cluster_job(job) -> Job:
     """A job of a cluster scheduler: its ranks from the registry's rank table (node and pid of
-    each); nodes the table says nothing of are searched for the job's ranks there."""
+    each); nodes the table says nothing of are searched for the job's ranks there. Its
+    scheduler says how to reach them (run_on_nodes) and what to call the job."""
+    from areal_cli import schedulers
     from areal_cli.errors import ArealError
     from areal_cli.registry import open_registry
 
     name = job.handle.name
+    sched = schedulers.get(job.handle.scheduler)
+    what = f"{sched.label or sched.name} job {job.handle.job_id}"
     if job.state not in ("running", "starting", "stopping"):
         raise UsageError(
-            f"job {name} (Slurm job {job.handle.job_id}) is {job.state}: no ranks to dump",
+            f"job {name} ({what}) is {job.state}: no ranks to dump",
             hint=f"`areal ps --all` shows its state; `areal logs {name}` shows why it ended",
         )
     try:
@@ -266,16 +270,17 @@ def _from_cluster_job(job) -> Job:
         nodes = {n: [] for n in job.nodes}
     if not nodes:
         raise UsageError(
-            f"job {name} (Slurm job {job.handle.job_id}) has no nodes yet (state: {job.state})",
+            f"job {name} ({what}) has no nodes yet (state: {job.state})",
             hint="`areal ps` shows whether it still waits in the queue",
         )
     return Job(
-        label=f"job {name} (Slurm job {job.handle.job_id}, nodes {','.join(nodes)})",
+        label=f"job {name} ({what}, nodes {','.join(nodes)})",
         ranks=sorted(ranks, key=lambda r: r.rank),
         name=name,
         scheduler_job_id=job.handle.job_id,
         nodes=nodes,
         marker=job.marker,
+        reach=sched.run_on_nodes,
     )
 
 
