@@ -114,6 +114,8 @@ def _daemon_env(root: Path, token_file: Path) -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
         # tests/fixtures/fake_python.py hands what is not a server to this interpreter.
         "FAKE_REAL_PYTHON": sys.executable,
+        # The job's processes run the code under test, wherever this run imports it from.
+        **({"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}),
     }
 
 

@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from tests.helpers import FAKE_PYTHON, REPO, areal
+from tests.helpers import AREAL, FAKE_PYTHON, REPO, areal
 
 TRAIN = str(REPO / "templates" / "grpo" / "train.py")
 CONFIG = str(REPO / "templates" / "grpo" / "tiny_cpu.yaml")
@@ -230,3 +230,38 @@ def test_cluster_refuses_a_client_without_its_token(ray_cluster, areal_env, monk
                 str(script), check=2, timeout=60)  # fmt: skip
     assert "refused areal's connection" in res.stderr and "RAY_AUTH_TOKEN_PATH" in res.stderr
     assert "not-the-token" not in res.stderr + res.stdout
+
+
+HANG = str(REPO / "tests" / "integration" / "slurm_hang.py")
+
+
+def test_doctor_hang_samples_both_ray_nodes_at_once(ray_cluster, areal_env):
+    """2 nodes x 2 ranks, the last rank skipping an all_reduce: each node's ranks read by the
+    job's own actor there, the verdict drawn from all four."""
+    from areal_cli.registry import open_registry
+
+    reg = open_registry(str(areal_env[1]))
+    job = subprocess.Popen(
+        [AREAL, "train", "--scheduler", "ray", "--alloc", "fsdp:d4", "--nnodes", "2",
+         "--servers", "none", HANG],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while len(reg.ranks("default", "trial0")) < 4:
+            assert job.poll() is None, job.stderr.read()
+            assert time.monotonic() < deadline, "the ranks did not register"
+            time.sleep(0.5)
+        time.sleep(2)  # past start-up: the ranks sit in the hang
+        res = areal("doctor", "hang", "--job", "default/trial0", "--json", check=0, timeout=180)
+        out = json.loads(res.stdout)
+        assert out["verdict"]["kind"] == "mismatched_collective", out["verdict"]
+        assert out["verdict"]["odd_ranks"] == [3]
+        assert {r["node"] for r in out["ranks"]} == set(ray_cluster.nodes)
+        marker = reg.ranks("default", "trial0")[0].marker
+    finally:
+        areal("stop", "default/trial0", check=0, timeout=120)
+        code = job.wait(timeout=120)
+    assert code == 143
+    assert marked(marker) == []
+    assert not [a for a in ray_left(ray_cluster)["actors"] if a.startswith(marker)]
