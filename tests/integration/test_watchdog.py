@@ -132,3 +132,56 @@ def test_dry_run_shows_the_recorder_and_the_watchdog(areal_env):
                 "--watchdog-action", "page", SCRIPT, check=2)  # fmt: skip
     assert "--watchdog-action 'page' is not one of observe, fail" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_watch_nodes_drives_any_scheduler_through_its_way_to_reach_nodes(areal_env, tmp_path):
+    """The entry point a cluster scheduler calls, with a `reach` that is no srun: each node's
+    command run here as a plain process (as Ray's actors run it on their nodes). The job's
+    ranks are found by its marker, looked at, and on the stall the hang doctor runs through
+    the same reach, flight recorders included."""
+    from areal_cli.diagnose import watchdog
+
+    home = areal_env[0]
+    p = _train("reach", "--watchdog", "0", env={"STALL_RANK": "1", "STEPS": "3"})
+    calls: list[list[str]] = []
+
+    def reach(job_id: str, commands: dict, timeout: float) -> dict:
+        assert job_id == "job-7"
+        out = {}
+        for node, argv in commands.items():
+            calls.append(argv)
+            res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+            out[node] = (res.stdout, None if res.stdout.strip() else res.stderr[-500:])
+        return out
+
+    try:
+
+        def marker() -> str | None:
+            assert p.poll() is None, p.communicate()
+            rows = json.loads(areal("ps", "--json", check=0).stdout)
+            row = next((r for r in rows if r["trial"] == "reach"), None)
+            ready = row and (_log_dir(home, "reach") / "rank-1.log").exists()
+            return row["marker"] if ready and "skips" in (
+                _log_dir(home, "reach") / "rank-1.log").read_text() else None  # fmt: skip
+
+        found = procs.wait_until(marker, 90, cap=0.2)
+        assert found, "the job did not get to its stall"
+        stalls = []
+        dog = watchdog.watch_nodes(
+            2.0, _log_dir(home, "reach"), job_id="job-7", nodes=lambda: ["here"],
+            marker=marker(), reach=reach, label="job default/reach", on_stall=stalls.append,
+            tick=0.5,
+        )  # fmt: skip
+        try:
+            assert procs.wait_until(lambda: stalls, 60, cap=0.2), "no stall"
+        finally:
+            dog.close()
+        s = stalls[0]
+        assert s.kind == "mismatched_collective" and s.odd_ranks == [1], s
+        assert sorted(s.reached) == ["0", "1"]  # the flight recorders, through the reach
+        assert any("areal_cli.diagnose.nodes" in a for argv in calls for a in argv)
+        assert (Path(s.bundle) / "summary.json").exists()
+        assert len(stalls) == 1
+    finally:
+        os.killpg(p.pid, signal.SIGINT)
+        p.communicate(timeout=60)
