@@ -265,3 +265,36 @@ def test_doctor_hang_samples_both_ray_nodes_at_once(ray_cluster, areal_env):
     assert code == 143
     assert marked(marker) == []
     assert not [a for a in ray_left(ray_cluster)["actors"] if a.startswith(marker)]
+
+
+def test_ctrl_c_in_the_foreground_ends_the_ray_job(ray_cluster, tiny, areal_env):
+    import signal
+
+    from areal_cli.registry import open_registry
+
+    reg = open_registry(str(areal_env[1]))
+    fg = subprocess.Popen(
+        [AREAL, "serve", "--scheduler", "ray", "--backend", "hf", "--model", str(tiny),
+         "--python", FAKE_PYTHON],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "FAKE_REAL_PYTHON": sys.executable},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not reg.list("default", "trial0").servers:
+            assert fg.poll() is None, fg.stderr.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        (entry,) = reg.list("default", "trial0").servers
+        fg.send_signal(signal.SIGINT)
+        _, err = fg.communicate(timeout=90)
+    finally:
+        if fg.poll() is None:
+            fg.kill()
+            fg.wait()
+    assert fg.returncode == 130, err
+    assert "Ray job" in err and "stopping" in err
+    assert marked(entry.marker) == [] and reg.list("default", "trial0").servers == []
+    assert not [a for a in ray_left(ray_cluster)["actors"] if a.startswith(entry.marker)]
+    (job,) = [j for j in ps_json("--all") if j["scheduler"] == "ray"]
+    assert job["state"] == "stopped"
