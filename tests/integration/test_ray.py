@@ -298,3 +298,17 @@ def test_ctrl_c_in_the_foreground_ends_the_ray_job(ray_cluster, tiny, areal_env)
     assert not [a for a in ray_left(ray_cluster)["actors"] if a.startswith(entry.marker)]
     (job,) = [j for j in ps_json("--all") if j["scheduler"] == "ray"]
     assert job["state"] == "stopped"
+
+
+def test_a_cluster_that_does_not_answer_is_exit_3_with_one_message(
+    areal_env, monkeypatch, tmp_path
+):
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.2:1")  # nothing listens there
+    monkeypatch.setenv("AREAL_RAY_TIMEOUT", "3")
+    script = tmp_path / "t.py"
+    script.write_text("")
+    t0 = time.monotonic()
+    res = areal("train", "--scheduler", "ray", "--alloc", "fsdp:d1", "--servers", "none",
+                str(script), check=3, timeout=60)  # fmt: skip
+    assert time.monotonic() - t0 < 20
+    assert "did not answer within 3s" in res.stderr and "Traceback" not in res.stderr

@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 from areal_cli.errors import UsageError, WaitTimeout
 
 NAMESPACE = "areal"
-CONNECT_TIMEOUT = float(os.environ.get("AREAL_RAY_TIMEOUT", "30"))
+CONNECT_TIMEOUT = float(os.environ.get("AREAL_RAY_TIMEOUT", "15"))
 
 _lock = threading.Lock()
 _connected: str | None = None
+_saved_stderr: int | None = None  # fd 2 while the preflight silences Ray's C++ client
 
 
 class Unreachable(WaitTimeout):
@@ -76,6 +77,7 @@ def connect(option: str | None = None) -> str:
         t.start()
         t.join(CONNECT_TIMEOUT)
         if not done:
+            _restore_stderr()
             raise Unreachable(
                 f"the Ray cluster at {addr} did not answer within {CONNECT_TIMEOUT:g}s",
                 hint="is the head up (`ray status --address ADDR`)? AREAL_RAY_TIMEOUT sets "
@@ -95,15 +97,27 @@ def _preflight(addr: str) -> None:
         return  # "auto", ray://: ray.init resolves those itself
     from ray._raylet import GcsClient
 
-    saved = os.dup(2)
+    global _saved_stderr
+    saved = _saved_stderr = os.dup(2)
     try:
         # Ray's C++ client logs the refusal on fd 2 itself: the message here says it once.
         with open(os.devnull, "w") as null:
             os.dup2(null.fileno(), 2)
             GcsClient(address=addr)
     finally:
-        os.dup2(saved, 2)
+        _restore_stderr()
         os.close(saved)
+
+
+def _restore_stderr() -> None:
+    """fd 2 back, also when the connect gave up on a preflight still waiting."""
+    global _saved_stderr
+    saved, _saved_stderr = _saved_stderr, None
+    if saved is not None:
+        try:
+            os.dup2(saved, 2)
+        except OSError:
+            pass
 
 
 def _connect_error(addr: str, e: BaseException) -> Exception:
