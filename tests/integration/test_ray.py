@@ -312,3 +312,13 @@ def test_a_cluster_that_does_not_answer_is_exit_3_with_one_message(
                 str(script), check=3, timeout=60)  # fmt: skip
     assert time.monotonic() - t0 < 20
     assert "did not answer within 3s" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_doctor_check_reports_the_ray_cluster(ray_cluster, areal_env):
+    res = areal("doctor", "check", "--scheduler", "ray", "--json", timeout=120)
+    rows = {r["name"]: r for r in json.loads(res.stdout)["rows"]}
+    assert rows["ray"]["status"] == "pass" and "RAY_AUTH_MODE token" in rows["ray"]["detail"]
+    assert rows["ray nodes"]["status"] == "pass"
+    assert all(f"{n} (CPU" in rows["ray nodes"]["detail"] for n in ray_cluster.nodes)
+    assert rows["shared filesystem"]["status"] == "pass", rows["shared filesystem"]
+    assert "seen from 2 Ray node(s)" in rows["shared filesystem"]["detail"]
