@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-from tests.helpers import AREAL, REPO, areal
+from tests.helpers import AREAL, FAKE_PYTHON, REPO, areal
 from tests.integration.test_slurm import assert_nothing_left, record, wait_for
 
 SCRIPT = str(REPO / "tests" / "fixtures" / "scripts" / "watchdog_job.py")
@@ -103,21 +104,29 @@ def test_a_stalled_two_node_job_gets_one_verdict_and_a_bundle_with_areal_gone(sl
     assert_nothing_left(slurm_env, home, registry, job)
 
 
-def test_fail_mode_cancels_the_stalled_job_and_exits_1_with_the_verdict_first(slurm_env, areal_env):
+def test_fail_mode_ends_the_stalled_job_and_exits_1_with_the_verdict_first(slurm_env, areal_env):
+    """Servers and trainers in one job (a stand-in server on one node, both ranks on the
+    other): the server's stack, taken on its node, is in the bundle too."""
     home, registry = areal_env
     proc = subprocess.run(
-        [AREAL, *TRAIN, "--watchdog-action", "fail", SCRIPT],
-        env={**os.environ, **STALL, "COLUMNS": "200"}, capture_output=True, text=True,
-        timeout=120,
+        [AREAL, "train", "--scheduler", "slurm", "--alloc", "hf:d1+fsdp:d2", "--gpus-per-node",
+         "2", "--model", "org/tiny", "--python", FAKE_PYTHON, "--watchdog", "4",
+         "--watchdog-action", "fail", SCRIPT],
+        env={**os.environ, **STALL, "COLUMNS": "200", "FAKE_REAL_PYTHON": sys.executable},
+        capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-3000:]
     err = proc.stderr
     assert "error: watchdog: mismatched_collective (odd ranks 1): rank 0 waits in all_reduce" in err
     assert "no rank progressed for 4s" in err and "Traceback" not in err
-    job = record(home, "train")["job_id"]
-    rec = record(home, "train")
+    rec = record(home, "serve+train")
+    job = rec["job_id"]
     assert rec["state"] == "failed" and rec["exit_code"] == 1
     assert rec["message"].startswith("watchdog: mismatched_collective (odd ranks 1)")
+    bundle = Path(err.split("last log lines: ", 1)[1].split()[0])
+    servers = [p.name for p in (bundle / "servers").iterdir()]
+    assert len(servers) == 1 and servers[0].startswith("server-n1-pid"), servers
+    assert servers[0].endswith(".json")
     why = areal("doctor", "why", "default/trial0", check=0).stdout
     assert "sent by: the watchdog (--watchdog-action fail)" in why
     assert_nothing_left(slurm_env, home, registry, job)
