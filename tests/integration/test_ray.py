@@ -86,6 +86,12 @@ def test_serve_on_two_nodes_ps_logs_stop_leaves_nothing(ray_cluster, tiny, areal
         assert "[server-0]" in logs and "[server-1]" in logs
         left = ray_left(ray_cluster)
         assert len([a for a in left["actors"] if a.startswith(marker)]) == 2
+        from areal_cli.registry import open_registry
+
+        # Registered with the Ray job and node, as Slurm's replicas are with theirs.
+        entries = open_registry(str(reg)).list("default", "trial0").servers
+        assert {e.scheduler_job_id for e in entries} == {out["job_id"]}
+        assert {e.scheduler for e in entries} == {"ray"} and all(e.gpus == [] for e in entries)
     finally:
         stop = areal("stop", "default/trial0", check=0, timeout=120)
     assert "Ray job" in stop.stdout

@@ -216,7 +216,7 @@ class Replica:
             job=f"{plan['experiment']}/{plan['trial']}",
             marker=plan["marker"],
             scheduler=plan.get("scheduler", "local"),
-            scheduler_job_id=_slurm_step(),
+            scheduler_job_id=os.environ.get("AREAL_SCHEDULER_JOB_ID") or _slurm_step(),
             node=node.name(),
         )
         return self._publish("registered")
@@ -389,8 +389,11 @@ def _expand(arg: str, tokens: dict[str, str]) -> str:
 
 
 def _step_gpus() -> list[int]:
-    """The GPUs Slurm bound to this step (their indices on the node)."""
+    """The GPUs its scheduler bound to this step (their indices on the node): Slurm's, or
+    those a scheduler that sets them itself (Ray) put in CUDA_VISIBLE_DEVICES."""
     raw = os.environ.get("SLURM_STEP_GPUS") or os.environ.get("SLURM_JOB_GPUS") or ""
+    if not raw and os.environ.get("AREAL_SCHEDULER_JOB_ID"):
+        raw = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     return [int(g) for g in raw.split(",") if g.strip().isdigit()]
 
 
