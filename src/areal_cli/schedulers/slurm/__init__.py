@@ -243,9 +243,9 @@ class SlurmScheduler(Scheduler):
     def check_rows(self, registry: str | None) -> list:
         """`areal doctor check --scheduler slurm`: Slurm's version and controller, each
         partition, whether the nodes see the shared files."""
-        from areal_cli.diagnose.check import slurm_rows
+        from areal_cli.schedulers.slurm import check
 
-        return slurm_rows(self.home, settings.registry_url(registry or self.registry))
+        return check.rows(self.home, settings.registry_url(registry or self.registry))
 
     # -- the doctor's reach --------------------------------------------------------------
 
