@@ -1,25 +1,18 @@
 """The `areal` entry point: a Typer app whose commands load on demand; errors become exit codes.
 
-Start-up is paid on every call, so only typer is imported here. A command's module is
-imported when that command runs or shows its help; `areal --help` lists the commands from
-the table below without importing any of them. Help is drawn by `console.render_help`
-(typer's own renderer imports rich.markdown and pygments).
+Start-up is paid on every call, so only typer is imported, and only when a parser is needed
+(the app lives in areal_cli._app). A command's module is imported when that command runs or
+shows its help; `areal --help` lists the commands from the table below without importing any
+of them. Help is drawn by `console.render_help` (typer's own renderer imports rich.markdown
+and pygments). `areal doctor hang` with plain flags skips typer altogether: it is run
+beside a hung job, often many times, and typer's import was a third of its start-up.
 """
 
 from __future__ import annotations
 
 import errno
-import importlib
-import inspect
-import os
 import sys
-from collections.abc import Callable, Iterator, Mapping
-from functools import partial
 
-import typer
-from typer.core import TyperCommand, TyperGroup
-
-from areal_cli import __version__
 from areal_cli.errors import EXIT_INTERRUPTED, ArealError
 
 # name: (module in areal_cli.commands, the one line `areal --help` shows). A test checks
@@ -49,135 +42,49 @@ Examples:
 """
 
 
-class _Help:
-    """Help drawn by console.render_help: paragraphs re-wrap, `\\b` blocks stay as written."""
-
-    def format_help(self, ctx, formatter) -> None:
-        from areal_cli import console
-
-        formatter.write(console.render_help(ctx, self.help_commands(ctx)) + "\n")
-
-    def collect_usage_pieces(self, ctx) -> list[str]:
-        from areal_cli import console
-
-        return console.usage_pieces(ctx)
-
-    def help_commands(self, ctx) -> list[tuple[str, str]]:
-        return []
-
-
-class ArealCommand(_Help, TyperCommand):
-    pass
-
-
-class _LazyCommands(Mapping):
-    """Commands by name, each built on first lookup: `areal ps` builds one, `--help` none."""
-
-    def __init__(self, builders: dict[str, Callable]) -> None:
-        self._builders = builders
-        self._built: dict = {}
-
-    def __getitem__(self, name: str):
-        if name not in self._built:
-            self._built[name] = self._builders[name]()
-        return self._built[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._builders)
-
-    def __len__(self) -> int:
-        return len(self._builders)
-
-
-class ArealGroup(_Help, TyperGroup):
-    def list_commands(self, ctx) -> list[str]:
-        return list(self.commands)  # typer's goes through items(), building every command
-
-    def help_commands(self, ctx) -> list[tuple[str, str]]:
-        return [(n, first_line(self.get_command(ctx, n).help)) for n in self.list_commands(ctx)]
-
-
-class RootGroup(ArealGroup):
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.commands = _LazyCommands({name: partial(_load, name) for name in COMMANDS})
-
-    def help_commands(self, ctx) -> list[tuple[str, str]]:
-        return [(name, line) for name, (_, line) in COMMANDS.items()]
-
-
-def _load(name: str):
-    """The click command for `name`, built from its module's typer definitions."""
-    module = importlib.import_module(f"areal_cli.commands.{COMMANDS[name][0]}")
-    if hasattr(module, "app"):  # a group of sub-commands (doctor)
-        return _group(name, module.app)
-    sub = typer.Typer()
-    module.register(sub)
-    # A module may register several commands (ps, logs, stop): build the one asked for.
-    return _command(next(info for info in sub.registered_commands if info.name == name))
-
-
-def _group(name: str, app: typer.Typer):
-    """`app` as a group whose sub-commands are built on demand (typer builds them all)."""
-    shell = typer.Typer(rich_markup_mode=None)
-    shell.info, shell.registered_callback = app.info, app.registered_callback
-    shell.info.cls = ArealGroup
-    group = typer.main.get_group(shell)
-    group.name = name
-    group.commands = _LazyCommands(
-        {info.name: partial(_command, info) for info in app.registered_commands}
-    )
-    return group
-
-
-def _command(info):
-    if info.cls in (None, TyperCommand):
-        info.cls = ArealCommand
-    return typer.main.get_command_from_info(
-        info, pretty_exceptions_short=True, rich_markup_mode=None
-    )
-
-
 def first_line(text: str | None) -> str:
     """A help text's first paragraph, on one line."""
+    import inspect
+
     para = inspect.cleandoc(text or "").split("\n\n")[0]
     return " ".join(para.split())
 
 
-app = typer.Typer(
-    name="areal",
-    cls=RootGroup,
-    help=HELP,
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
+def __getattr__(name: str):
+    # The typer app and its helpers (app, _load, ...) for code that reaches them through here.
+    # Dunders are the import system asking (`from areal_cli.cli import main` looks for
+    # __path__): answering those must not import typer.
+    if name.startswith("__"):
+        raise AttributeError(name)
+    from areal_cli import _app
+
+    try:
+        return getattr(_app, name)
+    except AttributeError:
+        raise AttributeError(f"module 'areal_cli.cli' has no attribute {name!r}") from None
 
 
-def _version(value: bool) -> None:
-    if value:
-        typer.echo(f"areal {__version__}")
-        raise typer.Exit()
+def _fast(args: list[str]) -> int | None:
+    """The exit code of a command run without typer, or None when typer must parse `args`."""
+    if args[:2] == ["doctor", "hang"]:
+        from areal_cli.commands import doctor_hang
 
-
-@app.callback()
-def main_options(
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
-    version: bool = typer.Option(
-        False, "--version", callback=_version, is_eager=True, help="Print the version."
-    ),
-) -> None:
-    if debug:
-        os.environ["AREAL_DEBUG"] = "1"
+        opts = doctor_hang.parse_plain(args[2:])
+        if opts is not None:
+            return doctor_hang.run(**opts)
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run the app; typed errors become one red message and their exit code."""
-    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    args = argv if argv is not None else sys.argv[1:]
+    debug = "--debug" in args
     try:
-        rc = app(args=argv, standalone_mode=False)
+        rc = _fast(args)
+        if rc is None:
+            from areal_cli._app import app
+
+            rc = app(args=argv, standalone_mode=False)
         if isinstance(rc, int) and rc:
             sys.exit(rc)
     except ArealError as e:

@@ -98,3 +98,56 @@ def test_unknown_command_is_exit_2_with_a_suggestion(tmp_path):
     assert res.returncode == 2
     assert "No such command 'trian'" in res.stderr
     assert "'train'" in res.stderr
+
+
+def test_doctor_hang_with_plain_flags_skips_typer(tmp_path):
+    """Run beside a hung job, often in a loop: its start-up is most of a 16-rank dump."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        args = ["doctor", "hang", "--pid", str(sleeper.pid), "--json", "--samples", "1"]
+        res, mods = loaded(tmp_path, *args)
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["verdict"]["kind"] == "blocked_outside_collective"
+        assert "typer" not in roots(mods) and "rich" not in roots(mods)
+        assert not roots(mods) & HEAVY
+        # A bad value goes through typer for its usual message and exit code 2.
+        res, mods = loaded(tmp_path, "doctor", "hang", "--pid", str(sleeper.pid), "-n", "0")
+        assert res.returncode == 2
+        assert "0 is not in the range 1<=x<=100" in res.stderr
+        assert "typer" in roots(mods)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"],
+        ["--pid"],
+        ["--pid", "x"],
+        ["--pid", "-3"],
+        ["--samples", "101"],
+        ["--interval=-1"],
+        ["--timeout", "0.1"],
+        ["--json=1"],
+        ["-p=3"],
+        ["--bogus"],
+        ["extra"],
+    ],
+)
+def test_doctor_hang_plain_parser_leaves_the_rest_to_typer(args):
+    from areal_cli.commands import doctor_hang
+
+    assert doctor_hang.parse_plain(args) is None
+
+
+def test_doctor_hang_plain_parser_reads_what_typer_reads():
+    from areal_cli.commands import doctor_hang
+
+    opts = doctor_hang.parse_plain(
+        ["-p", "3", "--pid=4", "-n", "2", "--interval", "0", "--json", "--native", "--out", "d"]
+    )
+    assert opts["pid"] == [3, 4] and opts["samples"] == 2 and opts["interval"] == 0.0
+    assert opts["json_out"] and opts["native"] and not opts["show_locals"]
+    assert str(opts["out_dir"]) == "d" and opts["timeout"] == 10.0 and opts["job"] is None

@@ -1,0 +1,136 @@
+"""The typer app behind `areal`: commands load on demand, help drawn by console.render_help.
+
+Split from areal_cli.cli so that a call which needs no parser (`areal doctor hang` with plain
+flags, see commands/doctor_hang.py) starts without importing typer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Iterator, Mapping
+from functools import partial
+
+import typer
+from typer.core import TyperCommand, TyperGroup
+
+from areal_cli import __version__
+from areal_cli.cli import COMMANDS, HELP, first_line
+
+
+class _Help:
+    """Help drawn by console.render_help: paragraphs re-wrap, `\\b` blocks stay as written."""
+
+    def format_help(self, ctx, formatter) -> None:
+        from areal_cli import console
+
+        formatter.write(console.render_help(ctx, self.help_commands(ctx)) + "\n")
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        from areal_cli import console
+
+        return console.usage_pieces(ctx)
+
+    def help_commands(self, ctx) -> list[tuple[str, str]]:
+        return []
+
+
+class ArealCommand(_Help, TyperCommand):
+    pass
+
+
+class _LazyCommands(Mapping):
+    """Commands by name, each built on first lookup: `areal ps` builds one, `--help` none."""
+
+    def __init__(self, builders: dict[str, Callable]) -> None:
+        self._builders = builders
+        self._built: dict = {}
+
+    def __getitem__(self, name: str):
+        if name not in self._built:
+            self._built[name] = self._builders[name]()
+        return self._built[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._builders)
+
+    def __len__(self) -> int:
+        return len(self._builders)
+
+
+class ArealGroup(_Help, TyperGroup):
+    def list_commands(self, ctx) -> list[str]:
+        return list(self.commands)  # typer's goes through items(), building every command
+
+    def help_commands(self, ctx) -> list[tuple[str, str]]:
+        return [(n, first_line(self.get_command(ctx, n).help)) for n in self.list_commands(ctx)]
+
+
+class RootGroup(ArealGroup):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.commands = _LazyCommands({name: partial(_load, name) for name in COMMANDS})
+
+    def help_commands(self, ctx) -> list[tuple[str, str]]:
+        return [(name, line) for name, (_, line) in COMMANDS.items()]
+
+
+def _load(name: str):
+    """The click command for `name`, built from its module's typer definitions."""
+    module = importlib.import_module(f"areal_cli.commands.{COMMANDS[name][0]}")
+    if hasattr(module, "app"):  # a group of sub-commands (doctor)
+        return _group(name, module.app)
+    sub = typer.Typer()
+    module.register(sub)
+    # A module may register several commands (ps, logs, stop): build the one asked for.
+    return _command(next(info for info in sub.registered_commands if info.name == name))
+
+
+def _group(name: str, app: typer.Typer):
+    """`app` as a group whose sub-commands are built on demand (typer builds them all)."""
+    shell = typer.Typer(rich_markup_mode=None)
+    shell.info, shell.registered_callback = app.info, app.registered_callback
+    shell.info.cls = ArealGroup
+    group = typer.main.get_group(shell)
+    group.name = name
+    group.commands = _LazyCommands(
+        {info.name: partial(_command, info) for info in app.registered_commands}
+    )
+    return group
+
+
+def _command(info):
+    if info.cls in (None, TyperCommand):
+        info.cls = ArealCommand
+    return typer.main.get_command_from_info(
+        info, pretty_exceptions_short=True, rich_markup_mode=None
+    )
+
+
+app = typer.Typer(
+    name="areal",
+    cls=RootGroup,
+    help=HELP,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"areal {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version."
+    ),
+) -> None:
+    if debug:
+        os.environ["AREAL_DEBUG"] = "1"
