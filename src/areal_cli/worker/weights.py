@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from areal_cli.backends import protocol_sglang as _sglang
+from areal_cli.backends import protocol_vllm as _vllm
 from areal_cli.errors import UsageError
 from areal_cli.worker.channel import report_progress
 
@@ -326,8 +328,8 @@ async def _reload(
         got = await client.update_weights_from_disk(str(path), version=version)
     finally:
         await client.resume()
-    updated = [s.addr for s in client._servers if not s.stale]
-    failed = {s.addr: s.last_error or "not reachable" for s in client._servers if s.stale}
+    updated = [s.addr for s in client.pool if not s.stale]
+    failed = {s.addr: s.last_error or "not reachable" for s in client.pool if s.stale}
     return _outcome(client, got, updated, failed)
 
 
@@ -338,18 +340,18 @@ def _outcome(
     failed on, and those it skipped as down), and rank 0's line about them."""
     missed = {
         s.addr: failed.get(s.addr) or f"skipped: {s.last_error or 'not reachable'}"
-        for s in client._servers
+        for s in client.pool
         if s.addr not in updated
     }
     # The others keep what they held (a failed update installs nothing), as last reported.
-    versions = {s.addr: version if s.addr in updated else s.weight_version for s in client._servers}
+    versions = {s.addr: version if s.addr in updated else s.weight_version for s in client.pool}
     if missed:
         log.warning(
             "weight sync to version %s went on without %s; %d of %d server(s) hold it",
             version,
             "; ".join(f"{a} ({why})" for a, why in missed.items()),
             len(updated),
-            len(client._servers),
+            len(client.pool),
         )
     return {"version": version, "servers": updated, "failed": missed, "versions": versions}
 
@@ -405,18 +407,16 @@ def release(client: RolloutClient) -> None:
     if transfer is not None:
         for addr in transfer.servers:
             if transfer.vllm:
-                destroy.append((addr, "/shutdown_weight_transfer_engine", {}))
+                destroy.append((addr, _vllm.SHUTDOWN_TRANSFER_PATH, {}))
             else:
-                destroy.append(
-                    (addr, "/destroy_weights_update_group", {"group_name": transfer.name})
-                )
+                destroy.append((addr, _sglang.DESTROY_GROUP_PATH, {"group_name": transfer.name}))
     # After the groups are gone: a request about the group would take ownership again.
     give_up = (
         []
         if client.backend == "vllm"
-        else [(addr, "/release_weight_owner", {}) for addr in client.servers]
+        else [(addr, _sglang.RELEASE_OWNER_PATH, {}) for addr in client.servers]
     )
-    headers = {"Content-Type": "application/json", **client._headers}
+    headers = {"Content-Type": "application/json", **client.headers}
     for calls in (destroy, give_up):
         # Plain threads: an executor takes no work once the interpreter is exiting.
         threads = [threading.Thread(target=_post_quietly, args=(*c, headers), daemon=True)
@@ -533,7 +533,7 @@ async def _send(
                 rebuilt |= lost
                 continue
             failed.update(e.failed)
-            if not [s for s in client._reachable() if s.addr not in failed]:
+            if not [s for s in client.reachable() if s.addr not in failed]:
                 raise SyncError("weight sync", failed) from None
             log.warning("weight sync: %s failed (%s); going on without it", ", ".join(e.failed),
                         "; ".join(_why(x) for x in e.failed.values()))  # fmt: skip
@@ -566,11 +566,11 @@ def _restarted(client: RolloutClient, addr: str, why: str) -> None:
 def _not_answering(e: BaseException) -> set[str]:
     """The servers of a failed step that gave no answer at all (refused, reset, hung):
     asking them anything more now only costs time."""
-    from areal_cli.worker.rollout import SyncError, _Retryable
+    from areal_cli.worker.rollout import SyncError, unreachable
 
     if not isinstance(e, SyncError):
         return set()
-    return {a for a, x in e.failed.items() if isinstance(x, _Retryable) and x.status is None}
+    return {a for a, x in e.failed.items() if unreachable(x)}
 
 
 def _owned_elsewhere(e: BaseException) -> set[str]:
@@ -657,13 +657,13 @@ async def _send_sglang(
             payload["weight_version"] = version
         http = client.on_servers(
             servers, "update_weights_from_distributed",
-            lambda s, p=payload: client._control(
-                s, "/update_weights_from_distributed", p, timeout=http_timeout
+            lambda s, p=payload: client.control(
+                s, _sglang.UPDATE_DISTRIBUTED_PATH, p, timeout=http_timeout
             ),
         )  # fmt: skip
         await _together(http, _broadcast_bucket, transfer, [t for _, t in bucket], flatten, timeout)
     await client.on_servers(servers, "end_weight_update",
-                            lambda s: client._control(s, "/end_weight_update", {}))  # fmt: skip
+                            lambda s: client.control(s, _sglang.END_UPDATE_PATH, {}))  # fmt: skip
 
 
 def _broadcast_bucket(transfer: _Transfer, tensors: list[Any], flatten: bool, timeout: float):
@@ -686,12 +686,12 @@ async def _begin(client: RolloutClient, servers: list[str]) -> None:
         from areal_cli.worker.rollout import RolloutError
 
         try:
-            await client._control(s, "/begin_weight_update", {})
+            await client.control(s, _sglang.BEGIN_UPDATE_PATH, {})
         except RolloutError as e:
             if "already open" not in str(e.detail or ""):
                 raise
-            await client._control(s, "/end_weight_update", {})
-            await client._control(s, "/begin_weight_update", {})
+            await client.control(s, _sglang.END_UPDATE_PATH, {})
+            await client.control(s, _sglang.BEGIN_UPDATE_PATH, {})
 
     await client.on_servers(servers, "begin_weight_update", one)
 
@@ -718,10 +718,10 @@ async def _send_vllm(
     reuse = {a: meta == transfer.sent_meta and await client.reuses_weight_metadata(a)
              for a in servers}  # fmt: skip
     await client.on_servers(servers, "start_weight_update",
-                            lambda s: client._control(s, "/start_weight_update"))  # fmt: skip
+                            lambda s: client.control(s, _vllm.START_UPDATE_PATH))  # fmt: skip
     http = client.on_servers(
         servers, "update_weights",
-        lambda s: client._control(s, "/update_weights",
+        lambda s: client.control(s, _vllm.UPDATE_PATH,
                                   {"update_info": unchanged if reuse[s.addr] else meta},
                                   timeout=timeout + 30),
     )  # fmt: skip
@@ -729,7 +729,7 @@ async def _send_vllm(
     transfer.sent_meta = meta
     body = {} if version is None else {"weight_version": version}
     await client.on_servers(servers, "finish_weight_update",
-                            lambda s: client._control(s, "/finish_weight_update", body))  # fmt: skip
+                            lambda s: client.control(s, _vllm.FINISH_UPDATE_PATH, body))  # fmt: skip
 
 
 async def _abandon(
@@ -743,15 +743,15 @@ async def _abandon(
     if _TRANSFERS.get(client) is transfer:
         del _TRANSFERS[client]
     now = time.monotonic()
-    skip = set(skip) | {s.addr for s in client._servers if s.down_until > now}
+    skip = set(skip) | {s.addr for s in client.pool if s.down_until > now}
 
     async def one(s: Any) -> None:
         if transfer.vllm:
-            await client._request(s, "POST", "/shutdown_weight_transfer_engine", {}, 10)
+            await client.send(s, "POST", _vllm.SHUTDOWN_TRANSFER_PATH, {}, 10)
             return
-        await client._request(s, "POST", "/destroy_weights_update_group",
+        await client.send(s, "POST", _sglang.DESTROY_GROUP_PATH,
                               {"group_name": transfer.name}, 10)  # fmt: skip
-        await client._request(s, "POST", "/end_weight_update", {}, 10)
+        await client.send(s, "POST", _sglang.END_UPDATE_PATH, {}, 10)
 
     async def quietly(s: Any) -> None:
         try:
@@ -794,9 +794,9 @@ async def _ensure_transfer(
     """The client's group, made now if there is none or the reachable servers changed."""
     from areal_cli.worker.rollout import RolloutError
 
-    candidates = [s.addr for s in client._reachable() if s.addr not in exclude]
+    candidates = [s.addr for s in client.reachable() if s.addr not in exclude]
     if not candidates:
-        raise client._no_server_error("weight sync")
+        raise client.no_server_error("weight sync")
     old = _TRANSFERS.get(client)
     # Asked at every sync (one GET each): a server restarted at the same address is only
     # known by its new instance id.
@@ -810,10 +810,10 @@ async def _ensure_transfer(
     )
     for addr, r in zip(candidates, results, strict=True):
         if isinstance(r, BaseException):
-            client._mark_down(client.server(addr), str(r))
+            client.mark_down(client.server(addr), str(r))
     servers = [a for a in candidates if a in infos]
     if not servers:
-        raise client._no_server_error("weight sync")
+        raise client.no_server_error("weight sync")
 
     if old is not None:
         restarted = [a for a in servers if a in old.instances
@@ -873,7 +873,7 @@ async def _init_sglang(
 
     http = client.on_servers(
         transfer.servers, "init_weights_update_group",
-        lambda s: client._control(s, "/init_weights_update_group", body(s.addr),
+        lambda s: client.control(s, _sglang.INIT_GROUP_PATH, body(s.addr),
                                   timeout=timeout + 30),
     )  # fmt: skip
 
@@ -974,7 +974,7 @@ async def _init_vllm(
 
     http = client.on_servers(
         transfer.servers, "init_weight_transfer_engine",
-        lambda s: client._control(s, "/init_weight_transfer_engine", body(s.addr),
+        lambda s: client.control(s, _vllm.INIT_TRANSFER_PATH, body(s.addr),
                                   timeout=timeout + 30),
     )  # fmt: skip
 
