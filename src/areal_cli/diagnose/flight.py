@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import subprocess
 import threading
 from dataclasses import dataclass, field
@@ -275,6 +274,8 @@ def write_torch_dumps(flights: list[RankFlight], out: Path) -> list[Path]:
         for e in d.get("entries", []):
             e.setdefault("frames", [])
         path = out / f"fr_trace_{f.rank}"
+        import pickle  # for the bundle only: not on doctor hang's start-up
+
         path.write_bytes(pickle.dumps(d))
         written.append(path)
     return written
