@@ -309,7 +309,7 @@ def show_plan(request, json_out: bool) -> None:
 
 
 def scheduler_opts(
-    name: str | None,
+    sched,
     config: dict,
     partition,
     account,
@@ -318,14 +318,15 @@ def scheduler_opts(
     slurm_arg,
     scheduler_opt=None,
 ):
-    """The chosen scheduler's options, from its flags, `--scheduler-opt KEY=VALUE`, and the
-    job YAML (`scheduler_opts:` or a flag's key), checked against what the scheduler declares
-    (Scheduler.runopts): one it does not take is a usage error naming those it does."""
+    """The options of `sched` (the one scheduler_for chose), from its flags, `--scheduler-opt
+    KEY=VALUE`, and the job YAML (`scheduler_opts:` or a flag's key), checked against what
+    the scheduler declares (Scheduler.runopts): one it does not take is a usage error naming
+    those it does."""
     from areal_cli import schedulers
     from areal_cli.spec import SchedulerOpts
 
-    chosen = schedulers.pick(name, config)
-    declared = {o.name: o for o in schedulers.scheduler_class(chosen).runopts}
+    chosen = sched.name
+    declared = {o.name: o for o in sched.runopts}
     flags = {"partition": partition, "account": account, "time": time,
              "gpus_per_node": gpus_per_node, "slurm_arg": slurm_arg or None}  # fmt: skip
     given: dict[str, tuple[str, Any]] = {}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -132,45 +131,27 @@ def register(app: typer.Typer) -> None:
         scheduler_opt: list[str] = SchedulerOptOpt,
         json_out: bool = JsonOpt,
     ) -> None:
-        from areal_cli import models
-        from areal_cli.alloc import parse
+        from areal_cli import jobspec, models
         from areal_cli.spec import JobSpec, ServerRole
 
         cfg = load_config(config, CONFIG_KEYS)
+        sched = scheduler_for(scheduler, cfg, home, registry)
         where = scheduler_opts(
-            scheduler, cfg, partition, account, time, gpus_per_node, slurm_arg, scheduler_opt
+            sched, cfg, partition, account, time, gpus_per_node, slurm_arg, scheduler_opt
         )
         model = pick(model, cfg, "model", None)
         if not model:
             raise UsageError("--model is required", hint="areal serve --model /path/to/model")
         ref = models.parse(str(model))
-        alloc = pick(alloc, cfg, "alloc", None)
-        backend = pick(backend, cfg, "backend", None)
-        dp, tp = pick(dp, cfg, "dp", None), pick(tp, cfg, "tp", None)
-        pp = 1
-        if alloc:
-            if dp or tp:
-                raise UsageError("give either --alloc or --dp/--tp, not both")
-            a = parse(alloc)
-            if a.train is not None:
-                raise UsageError(
-                    f"--alloc {alloc} has a train component ({a.train.backend}); serve starts servers only",
-                    hint="start training with `areal train --alloc " + alloc + " SCRIPT`",
-                )
-            if len(a.inference) != 1:
-                raise UsageError("serve takes one inference component", hint="e.g. sglang:d2t2")
-            comp = a.inference[0]
-            if backend and backend != comp.backend:
-                raise UsageError(f"--backend {backend} disagrees with --alloc {alloc}")
-            backend, dp, tp, pp = comp.backend, comp.d, comp.t, comp.p
+        allocation, backend, dp, tp, pp = jobspec.serve_allocation(
+            pick(alloc, cfg, "alloc", None),
+            pick(backend, cfg, "backend", None),
+            pick(dp, cfg, "dp", None),
+            pick(tp, cfg, "tp", None),
+        )
         gpus_flag = pick(gpus, cfg, "gpus", None)
-        if not backend:
-            from areal_cli import gpus as gpus_mod
-
-            backend = "sglang" if gpus_mod.detect(gpus_flag and str(gpus_flag)).gpus else "hf"
-        extra = list(ctx.args) or cfg.get("extra_args", [])
         role = ServerRole(
-            backend=backend,
+            backend=backend or jobspec.default_backend(gpus_flag),
             model_path=ref.name,
             revision=ref.revision,
             replicas=dp or 1,
@@ -179,7 +160,7 @@ def register(app: typer.Typer) -> None:
             host=pick(host, cfg, "host", "127.0.0.1"),
             port_base=pick(port_base, cfg, "port_base", None),
             python=pick(python, cfg, "python", None) or python_default(),
-            extra_args=tuple(extra),
+            extra_args=tuple(list(ctx.args) or cfg.get("extra_args", [])),
             seed=int(pick(seed, cfg, "seed", 1)),
             allow_unauthenticated_control=bool(
                 pick(allow_unauthenticated_control, cfg, "allow_unauthenticated_control", False)
@@ -190,15 +171,15 @@ def register(app: typer.Typer) -> None:
             experiment=experiment,
             trial=trial,
             servers=role,
-            alloc=alloc or f"{backend}:d{role.replicas}t{role.tp}" + (f"p{pp}" if pp > 1 else ""),
+            alloc=allocation.text if allocation else jobspec.serve_alloc_text(role),
+            allocation=allocation,
             gpus_flag=None if gpus_flag is None else str(gpus_flag),
             api_key=str(pick(api_key, cfg, "api_key", "auto")),
             health_timeout=seconds(
                 "--health-timeout", pick(health_timeout, cfg, "health_timeout", 600.0)
             ),
+            scheduler_opts=where,
         )
-        spec = replace(spec, scheduler_opts=where)
-        sched = scheduler_for(scheduler, cfg, home, registry)
         request = sched.dryrun(spec, check_packages=not dry_run)
         if dry_run:
             show_plan(request, json_out)

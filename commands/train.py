@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from pathlib import Path
 
 import typer
 
 from areal_cli import console, settings
-from areal_cli.errors import UsageError
 
 from ._common import (
     SLURM_KEYS,
@@ -159,157 +157,56 @@ def register(app: typer.Typer) -> None:
         scheduler_opt: list[str] = SchedulerOptOpt,
         json_out: bool = JsonOpt,
     ) -> None:
-        from areal_cli import discovery, models
-        from areal_cli.alloc import parse
-        from areal_cli.registry import open_registry
-        from areal_cli.spec import JobSpec, ServerRole, TrainerRole
+        from areal_cli import jobspec
+        from areal_cli.diagnose.watchdog import DEFAULT_SECONDS
+        from areal_cli.spec import JobSpec
 
         cfg = load_config(config, CONFIG_KEYS)
+        sched = scheduler_for(scheduler, cfg, home, registry)
         where = scheduler_opts(
-            scheduler, cfg, partition, account, time, gpus_per_node, slurm_arg, scheduler_opt
+            sched, cfg, partition, account, time, gpus_per_node, slurm_arg, scheduler_opt
         )
-        alloc = pick(alloc, cfg, "alloc", None)
-        if not alloc:
-            raise UsageError(
-                "--alloc is required", hint="e.g. areal train --alloc fsdp:d2 train.py"
-            )
-        a = parse(alloc)
-        if a.train is None:
-            raise UsageError(
-                f"--alloc {alloc} has no train component",
-                hint="add one, e.g. fsdp:d2 (training only) or " + alloc + "+fsdp:d2",
-            )
-        script_args = list(ctx.args)
-        if script == "-m":
-            if not script_args:
-                raise UsageError(
-                    "-m needs a module name",
-                    hint="areal train --alloc fsdp:d2 -- -m pkg.train ARGS",
-                )
-            # torchrun's own -m: "-m pkg.mod ARGS" stands where the script would.
-        elif not Path(script).is_file():
-            raise UsageError(
-                f"script {script} does not exist", hint="give the path of a training script"
-            )
-        nnodes = int(pick(nnodes, cfg, "nnodes", 1))
-        world = a.train.world_size
-        if world % nnodes:
-            raise UsageError(f"{alloc}: world size {world} does not split over {nnodes} nodes")
-        experiment, trial = job_names(experiment, trial, cfg)
-        home_dir, reg_root = settings.home(home), settings.registry_url(registry)
+        allocation = jobspec.train_allocation(pick(alloc, cfg, "alloc", None))
         py = pick(python, cfg, "python", None) or python_default()
-        env: dict[str, str] = {}
-        preset = pick(debug_preset, cfg, "debug_preset", None)
-        if preset:
-            from areal_cli.diagnose.presets import prepare_paths, preset_env
-
-            env.update(preset_env(preset))
-            if not dry_run:
-                prepare_paths(env)  # NCCL and the flight recorder write there, never mkdir
-        trainer = TrainerRole(
-            script=script,
-            script_args=tuple(script_args),
-            nproc=world // nnodes,
-            alloc=alloc,
-            nnodes=nnodes,
+        trainer = jobspec.trainer_role(
+            script,
+            list(ctx.args),
+            allocation,
+            int(pick(nnodes, cfg, "nnodes", 1)),
             node_rank=int(pick(node_rank, cfg, "node_rank", 0)),
             master_addr=str(pick(master_addr, cfg, "master_addr", "127.0.0.1")),
             master_port=pick(master_port, cfg, "master_port", None),
             python=py,
-            env=tuple(env.items()),
             areal_overrides=bool(pick(areal_overrides, cfg, "areal_overrides", False)),
         )
-        server_role, found = None, None
-        if a.inference:
-            if len(a.inference) != 1:
-                raise UsageError(
-                    "train co-launches one inference component", hint="e.g. hf:d1+fsdp:d2"
-                )
-            comp = a.inference[0]
-            model = pick(model, cfg, "model", None)
-            if not model:
-                raise UsageError(
-                    f"--alloc {alloc} starts {comp.backend} servers: --model is required"
-                )
-            ref = models.parse(str(model))
-            server_role = ServerRole(
-                backend=comp.backend, model_path=ref.name, revision=ref.revision,
-                replicas=comp.d, tp=comp.t, pp=comp.p, python=py,
-            )  # fmt: skip
-        else:
-            servers = str(pick(servers, cfg, "servers", "auto"))
-            if servers == "none":
-                found = discovery.Found([], "", None, [])
-            elif servers != "auto":
-                found = discovery.explicit(
-                    discovery.parse_addrs(servers),
-                    None,
-                    _explicit_key(pick(api_key, cfg, "api_key", None)),
-                )
-            else:
-                wait = (
-                    0.0
-                    if dry_run
-                    else seconds("--wait-servers", pick(wait_servers, cfg, "wait_servers", 60.0))
-                )
-                need = int(pick(min_servers, cfg, "min_servers", 1))
-                reg = open_registry(reg_root)
-                with console.err.status(
-                    f"waiting for servers of {experiment}/{trial} ..."
-                ) as status:
-
-                    def progress(n: int, left: float) -> None:
-                        status.update(
-                            f"waiting for servers of {experiment}/{trial}: {n}/{need} healthy, {left:.0f}s left"
-                        )
-
-                    try:
-                        found = discovery.from_registry(
-                            reg, home_dir, experiment, trial, need, wait, progress
-                        )
-                    except Exception:
-                        if not dry_run:
-                            raise
-                        found = discovery.Found([], "sglang", None, [])
-            if servers != "none":
-                console.err.print(
-                    f"[green]servers[/] {len(found.addrs)} {found.backend}: "
-                    f"{', '.join(found.addrs) or '(none yet)'}"
-                )
-                for addr, why in found.skipped:
-                    console.err.print(f"[yellow]left out[/] {addr}: {why}")
-                for addr in found.resumed:
-                    console.err.print(
-                        f"[yellow]resumed[/] {addr}: it was paused with no trainer of "
-                        f"{experiment}/{trial} alive (a weight sync that never finished)"
-                    )
+        experiment, trial = job_names(experiment, trial, cfg)
+        env = jobspec.debug_env(pick(debug_preset, cfg, "debug_preset", None), not dry_run)
+        trainer = replace(trainer, env=tuple(env.items()))
+        server_role = jobspec.colaunched_servers(allocation, pick(model, cfg, "model", None), py)
         key_flag = pick(api_key, cfg, "api_key", None)
-        if server_role is not None and trainer.areal_overrides and key_flag != "none":
-            raise UsageError(
-                "--areal-overrides: AReaL's trainer sends no API key, and the servers this "
-                "job starts would want one (--api-key auto)",
-                hint="add --api-key none (any user of this host can then reach the servers), "
-                "or train with areal_cli.worker, which sends the key",
-            )
+        found = None
+        if server_role is None:
+            found = _servers(
+                sched, str(pick(servers, cfg, "servers", "auto")), key_flag, experiment, trial,
+                pick(min_servers, cfg, "min_servers", 1), pick(wait_servers, cfg, "wait_servers", 60.0),
+                settings.home(home), dry_run,
+            )  # fmt: skip
+        jobspec.check_overrides_key(server_role, trainer.areal_overrides, key_flag)
         if found is not None and found.addrs and not dry_run:
-            found = _check_keys(found, experiment, trial, trainer.areal_overrides,
-                                _explicit_key(key_flag))  # fmt: skip
-        from areal_cli.diagnose.watchdog import ACTIONS, DEFAULT_SECONDS
-
-        action = str(pick(watchdog_action, cfg, "watchdog_action", "observe"))
-        if action not in ACTIONS:
-            raise UsageError(
-                f"--watchdog-action {action!r} is not one of {', '.join(ACTIONS)}",
-                hint="observe keeps the job running; fail stops it on a stall (exit 1)",
+            found = jobspec.checked_keys(
+                found, trainer.areal_overrides, jobspec.explicit_key(key_flag)
             )
         spec = JobSpec(
             watchdog=seconds("--watchdog", pick(watchdog, cfg, "watchdog", DEFAULT_SECONDS)),
-            watchdog_action=action,
+            watchdog_action=jobspec.watchdog_action(
+                str(pick(watchdog_action, cfg, "watchdog_action", "observe"))
+            ),
             experiment=experiment,
             trial=trial,
             servers=server_role,
             trainer=trainer,
-            alloc=alloc,
+            alloc=allocation.text,
+            allocation=allocation,
             gpus_flag=pick(gpus, cfg, "gpus", None),
             api_key=str(pick(api_key, cfg, "api_key", "auto")),
             health_timeout=seconds(
@@ -318,9 +215,8 @@ def register(app: typer.Typer) -> None:
             external_servers=tuple(found.addrs) if found else (),
             external_backend=found.backend if found else None,
             external_api_key=found.api_key if found else None,
+            scheduler_opts=where,
         )
-        spec = replace(spec, scheduler_opts=where)
-        sched = scheduler_for(scheduler, cfg, home, registry)
         request = sched.dryrun(spec, check_packages=not dry_run)
         if dry_run:
             show_plan(request, json_out)
@@ -328,48 +224,35 @@ def register(app: typer.Typer) -> None:
         run_foreground(sched, request)
 
 
-def _check_keys(found, experiment: str, trial: str, areal: bool, given: str | None):
-    """Ask every server a question its API key guards, with the key the ranks will send, so
-    a missing or wrong key is one message here instead of an HTTP 401 in every rank (/health,
-    which discovery asks, is open on every engine). A key given with --api-key or
-    AREAL_API_KEY serves found servers that want one discovery did not hand out."""
-    from areal_cli import control
+def _servers(sched, servers: str, key_flag, experiment, trial, need, wait, home, dry_run):
+    """The servers a training-only job uses: none, those given, or the registry's (waiting
+    with a status line), each shown on stderr."""
+    from areal_cli import jobspec
 
-    if areal:  # areal/infra/remote_inf_engine.py: no request carries an Authorization header
-        refused = control.keys_refused(found.addrs, found.backend, None)
-        if refused:
-            raise UsageError(
-                f"{', '.join(refused)}: want an API key, and AReaL's trainer sends none "
-                "(--areal-overrides)",
-                hint="serve them with --api-key none (any user of this host can then reach "
-                "them), or train with areal_cli.worker, which sends the key",
+    found = jobspec.servers_given(servers, key_flag)
+    if found is None:
+        need = int(need)
+        wait = 0.0 if dry_run else seconds("--wait-servers", wait)
+        with console.err.status(f"waiting for servers of {experiment}/{trial} ...") as status:
+
+            def progress(n: int, left: float) -> None:
+                status.update(
+                    f"waiting for servers of {experiment}/{trial}: {n}/{need} healthy, {left:.0f}s left"
+                )
+
+            found = jobspec.servers_from_registry(
+                sched.opened_registry(), home, experiment, trial, need, wait, progress, dry_run
             )
-        return found
-    refused = control.keys_refused(found.addrs, found.backend, found.api_key)
-    if not refused:
-        return found
-    if found.api_key is None and given:
-        refused = control.keys_refused(list(refused), found.backend, given)
-        if not refused:
-            return replace(found, api_key=given)
-        what = "refuse the key given (--api-key / AREAL_API_KEY)"
-    elif found.api_key is None:
-        what = "want an API key, and none was given"
-    elif not found.entries:  # --servers: the key came from the flag or the environment
-        what = "refuse the key given (--api-key / AREAL_API_KEY)"
-    else:
-        what = "refuse the key of the job that registered them"
-    names = ", ".join(f"{a} (HTTP {s})" for a, s in refused.items())
-    raise UsageError(
-        f"{names}: {what}",
-        hint="give the servers' key in the environment, never on a command line: "
-        "AREAL_API_KEY=$(areal key E/T) areal train ..., E/T being the job that serves them "
-        "(areal ps); for servers started elsewhere, export AREAL_API_KEY",
-    )
-
-
-def _explicit_key(flag: str | None) -> str | None:
-    """The key for servers given with --servers: the flag's KEY, else AREAL_API_KEY."""
-    if flag and flag not in ("auto", "none"):
-        return flag
-    return None if flag == "none" else (os.environ.get("AREAL_API_KEY") or None)
+    if servers != "none":
+        console.err.print(
+            f"[green]servers[/] {len(found.addrs)} {found.backend}: "
+            f"{', '.join(found.addrs) or '(none yet)'}"
+        )
+        for addr, why in found.skipped:
+            console.err.print(f"[yellow]left out[/] {addr}: {why}")
+        for addr in found.resumed:
+            console.err.print(
+                f"[yellow]resumed[/] {addr}: it was paused with no trainer of "
+                f"{experiment}/{trial} alive (a weight sync that never finished)"
+            )
+    return found

@@ -8,6 +8,10 @@ Nothing here starts a process or touches the network.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from areal_cli.alloc import Allocation
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,24 @@ class JobSpec:
     # what a stall does (observe: a verdict and a bundle; fail: that, then the job ends, exit 1).
     watchdog: float = 300.0
     watchdog_action: str = "observe"
+    # `alloc` parsed, by whoever built the spec (the command parses --alloc once); a spec
+    # built from the text alone is parsed on first use, and only then.
+    allocation: Allocation | None = field(default=None, compare=False, repr=False)
+
+    def parsed_alloc(self) -> Allocation | None:
+        text = self.alloc or (self.trainer.alloc if self.trainer else None)
+        if self.allocation is None and text:
+            from areal_cli.alloc import parse
+
+            object.__setattr__(self, "allocation", parse(text))
+        return self.allocation
+
+    def train_dims(self):
+        """The training component's parallel dims (ParallelDims), from the parsed allocation."""
+        from areal_cli.parallel import ParallelDims
+
+        a = self.parsed_alloc()
+        return ParallelDims.from_component(a.train or a.components[0])
 
     @property
     def kind(self) -> str:

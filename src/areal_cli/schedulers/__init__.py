@@ -58,8 +58,10 @@ def pick(flag: str | None, config: dict | None = None) -> str:
 
 
 def scheduler_class(name: str) -> type[Scheduler]:
-    """The class of scheduler `name`, its module imported now."""
-    module, _, cls = NAMES[pick(name)].partition(":")
+    """The class of scheduler `name` (a name pick() chose), its module imported now."""
+    if name not in NAMES:
+        pick(name)  # the message naming the schedulers there are
+    module, _, cls = NAMES[name].partition(":")
     try:
         return getattr(importlib.import_module(module), cls)
     except (ImportError, AttributeError) as e:
@@ -70,8 +72,9 @@ def scheduler_class(name: str) -> type[Scheduler]:
 
 
 def get(name: str | None = None, **options) -> Scheduler:
-    """The scheduler `name`, its module imported now. `options`: home=, registry=."""
-    return scheduler_class(pick(name))(**options)
+    """The scheduler `name` (None: pick's choice), its module imported now. `options`:
+    home=, registry=."""
+    return scheduler_class(name if name in NAMES else pick(name))(**options)
 
 
 def used(home: Path) -> list[Scheduler]:

@@ -191,6 +191,16 @@ class Scheduler(ABC):
     @abstractmethod
     def cancel(self, handle: Handle, timeout: float = 30.0) -> StopResult: ...
 
+    def opened_registry(self):
+        """The registry of this scheduler's jobs (its `registry` URL, else the default),
+        opened once: the command's discovery, the plan and a foreground run share it."""
+        reg = self.__dict__.get("_opened_registry")
+        if reg is None:
+            from areal_cli.registry import open_registry
+
+            reg = self._opened_registry = open_registry(getattr(self, "registry", None))
+        return reg
+
     def request_stop(self) -> None:
         """Ask a job running in the foreground of this process to stop (signal handlers)."""
         return None

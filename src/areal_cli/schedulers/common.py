@@ -17,7 +17,8 @@ from pathlib import Path
 
 from areal_cli import logfiles
 from areal_cli.launchers import torchrun
-from areal_cli.parallel import MESH_ENV, ParallelDims
+from areal_cli.parallel import MESH_ENV
+from areal_cli.registry import Registry, open_registry
 from areal_cli.spec import JobSpec, Plan, TrainerRole
 
 MARKER_PREFIX = "areal"
@@ -71,7 +72,7 @@ def worker_env(
         "AREAL_EXPERIMENT": spec.experiment,
         "AREAL_TRIAL": spec.trial,
         "AREAL_ALLOC": t.alloc,
-        MESH_ENV: ParallelDims.from_alloc(t.alloc).to_env(),
+        MESH_ENV: spec.train_dims().to_env(),
         "AREAL_LOG_DIR": p.log_dir,
         # Where the workers find the servers' API key when they discover servers themselves.
         "AREAL_HOME": p.home,
@@ -191,3 +192,10 @@ def root_cause(log_dir: Path, torchrun_logs: list[str | Path]) -> tuple[int | No
         if any("Error" in x or "Traceback" in x for x in logfiles.tail(path, TAIL_LINES)):
             failing.append(int(label.split("-")[1]))
     return (min(failing) if failing else None), None
+
+
+def opened(registry: Registry | str | None) -> Registry:
+    """A planner's registry: the object the command opened, or one opened here from a URL."""
+    if registry is None or isinstance(registry, (str, Path)):
+        return open_registry(registry)
+    return registry

@@ -52,9 +52,7 @@ class LocalScheduler(Scheduler):
     def dryrun(self, spec: JobSpec, check_packages: bool = False) -> Request:
         from areal_cli.schedulers.local import planner
 
-        plan = planner.plan(
-            spec, self.home, settings.registry_url(self.registry), check_packages=check_packages
-        )
+        plan = planner.plan(spec, self.home, self.opened_registry(), check_packages=check_packages)
         return Request(self.name, spec, plan)
 
     def schedule(
@@ -96,7 +94,10 @@ class LocalScheduler(Scheduler):
             return handle
         from areal_cli.schedulers.local.supervisor import Supervisor
 
-        sup = Supervisor(plan, self.home, claim, on_event=on_event, on_line=on_line)
+        sup = Supervisor(
+            plan, self.home, claim, on_event=on_event, on_line=on_line,
+            registry=self.opened_registry(),
+        )  # fmt: skip
         self._foreground = sup
         code = sup.run()
         if code:

@@ -14,8 +14,14 @@ from pathlib import Path
 from areal_cli import apikeys, backends, gpus, procs, settings
 from areal_cli.errors import UsageError
 from areal_cli.launchers import torchrun
-from areal_cli.registry import Registry, open_registry
-from areal_cli.schedulers.common import areal_overrides, new_marker, resolve_api_key, worker_env
+from areal_cli.registry import Registry
+from areal_cli.schedulers.common import (
+    areal_overrides,
+    new_marker,
+    opened,
+    resolve_api_key,
+    worker_env,
+)
 from areal_cli.schedulers.local import records
 from areal_cli.spec import JobSpec, Plan, ProcessPlan, ServerRole, TrainerRole
 
@@ -59,9 +65,9 @@ def held_by_others(
     return gpus_, ports
 
 
-def plan(spec: JobSpec, home: Path, registry_url: str, check_packages: bool = True) -> Plan:
+def plan(spec: JobSpec, home: Path, registry: Registry | str, check_packages: bool = True) -> Plan:
     log_dir = settings.log_dir(home, spec.experiment, spec.trial)
-    registry = open_registry(registry_url)
+    registry = opened(registry)
     marker = new_marker(spec.experiment, spec.trial)
     p = Plan(
         experiment=spec.experiment,
@@ -92,7 +98,7 @@ def plan(spec: JobSpec, home: Path, registry_url: str, check_packages: bool = Tr
         p.model_path = role.model_path + (f"@{role.revision}" if role.revision else "")
         p.tp = role.tp
     if spec.trainer:
-        _plan_trainer(p, spec, spec.trainer, inventory, free, held, log_dir)
+        _plan_trainer(p, spec, spec.trainer, inventory, free, held, log_dir, registry)
     return p
 
 
@@ -150,7 +156,7 @@ def _plan_servers(p, role: ServerRole, inventory, free, held, log_dir, check_pac
     return free[need:] if on_gpu else free
 
 
-def _plan_trainer(p, spec: JobSpec, t: TrainerRole, inventory, free, held, log_dir):
+def _plan_trainer(p, spec: JobSpec, t: TrainerRole, inventory, free, held, log_dir, registry):
     on_gpu = bool(inventory.gpus)
     if on_gpu and t.nproc > len(free):
         raise UsageError(
@@ -174,7 +180,7 @@ def _plan_trainer(p, spec: JobSpec, t: TrainerRole, inventory, free, held, log_d
         p.api_key = key  # only so the plan's rendering redacts it
     script_args = list(t.script_args)
     if t.areal_overrides:
-        script_args += areal_overrides(spec, backend, len(addrs), open_registry(p.registry))
+        script_args += areal_overrides(spec, backend, len(addrs), registry)
     if t.nnodes == 1 and t.master_port is None:
         rdzv = torchrun.Rendezvous()  # the OS picks the port: no race with other jobs
     else:

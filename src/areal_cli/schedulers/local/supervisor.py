@@ -92,13 +92,19 @@ class Supervisor:
         claim: records.Claim,
         on_event: EventFn | None = None,
         on_line: LineFn | None = None,
+        registry=None,
     ):
         self.plan = plan
         self.home = home
         self.claim = claim
         self.on_event = on_event or (lambda kind, info: None)
         self.on_line = on_line
-        self.registry = open_registry(plan.registry)
+        # In the foreground the registry the plan was made with; a daemon opens its own.
+        self.registry = (
+            registry
+            if registry is not None and registry.url == plan.registry
+            else open_registry(plan.registry)
+        )
         self.procs: list[_Proc] = []
         self.stop_requested = threading.Event()
         self.changed = threading.Event()  # a process exited, or a stop was requested

@@ -68,7 +68,7 @@ class RayScheduler(Scheduler):
 
         address = getattr(spec.scheduler_opts, "address", None) or self.address
         plan = planner.plan(
-            spec, self.home, settings.registry_url(self.registry), address,
+            spec, self.home, self.opened_registry(), address,
             check_packages=check_packages,
         )  # fmt: skip
         return Request(self.name, spec, plan)

@@ -19,12 +19,12 @@ from areal_cli.errors import UsageError
 from areal_cli.launchers import torchrun
 from areal_cli.launchers.node import NODE_ADDR
 from areal_cli.launchers.replica import PORT_TOKEN
-from areal_cli.parallel import ParallelDims
-from areal_cli.registry import open_registry
+from areal_cli.registry import Registry
 from areal_cli.schedulers.common import (
     areal_overrides,
     is_loopback,
     new_marker,
+    opened,
     resolve_api_key,
     worker_env,
 )
@@ -99,7 +99,7 @@ def jobs_dir(home: Path, experiment: str, trial: str) -> Path:
     return home / "ray" / settings.user() / experiment / trial
 
 
-def plan(spec: JobSpec, home: Path, registry_url: str, address: str,
+def plan(spec: JobSpec, home: Path, registry: Registry | str, address: str,
          check_packages: bool = True) -> RayPlan:  # fmt: skip
     from areal_cli.schedulers.ray import cluster
 
@@ -107,7 +107,7 @@ def plan(spec: JobSpec, home: Path, registry_url: str, address: str,
     nodes = cluster.nodes()
     with_gpus = any(n.total.get("GPU") for n in nodes)
     log_dir = settings.log_dir(home, spec.experiment, spec.trial)
-    registry = open_registry(registry_url)
+    registry = opened(registry)
     marker = new_marker(spec.experiment, spec.trial)
     run_dir = jobs_dir(home, spec.experiment, spec.trial) / f"{slot(spec.kind)}-{marker[-8:]}"
     p = RayPlan(
@@ -188,7 +188,7 @@ def _plan_servers(p: RayPlan, spec: JobSpec, check_packages: bool) -> None:
 
 def _plan_trainer(p: RayPlan, spec: JobSpec, nodes, registry) -> None:
     t = spec.trainer
-    world = ParallelDims.from_alloc(t.alloc).world_size
+    world = spec.train_dims().world_size
     unit = "GPU" if p.with_gpus else "CPU"
     biggest = int(max((n.total.get(unit, 0) for n in nodes), default=0))
     per_node = (

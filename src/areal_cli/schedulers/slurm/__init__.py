@@ -60,9 +60,7 @@ class SlurmScheduler(Scheduler):
     def dryrun(self, spec, check_packages: bool = False) -> Request:
         from areal_cli.schedulers.slurm import planner
 
-        plan = planner.plan(
-            spec, self.home, settings.registry_url(self.registry), check_packages=check_packages
-        )
+        plan = planner.plan(spec, self.home, self.opened_registry(), check_packages=check_packages)
         return Request(self.name, spec, plan)
 
     def schedule(

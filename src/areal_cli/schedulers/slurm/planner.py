@@ -23,12 +23,12 @@ from areal_cli.errors import UsageError
 from areal_cli.launchers import torchrun
 from areal_cli.launchers.node import NODE_ADDR
 from areal_cli.launchers.replica import PORT_TOKEN
-from areal_cli.parallel import ParallelDims
-from areal_cli.registry import open_registry
+from areal_cli.registry import Registry
 from areal_cli.schedulers.common import (
     areal_overrides,
     is_loopback,
     new_marker,
+    opened,
     resolve_api_key,
     worker_env,
 )
@@ -103,7 +103,9 @@ def slot(kind: str) -> str:
     return "serve" if kind == "serve" else "train"
 
 
-def plan(spec: JobSpec, home: Path, registry_url: str, check_packages: bool = True) -> SlurmPlan:
+def plan(
+    spec: JobSpec, home: Path, registry: Registry | str, check_packages: bool = True
+) -> SlurmPlan:
     opts = spec.scheduler_opts
     cluster.require("sbatch")
     part = cluster.partition(opts.partition)
@@ -116,7 +118,7 @@ def plan(spec: JobSpec, home: Path, registry_url: str, check_packages: bool = Tr
             "(`sinfo -o '%P %G'` lists them)",
         )
     log_dir = settings.log_dir(home, spec.experiment, spec.trial)
-    registry = open_registry(registry_url)
+    registry = opened(registry)
     marker = new_marker(spec.experiment, spec.trial)
     run_dir = jobs_dir(home, spec.experiment, spec.trial) / f"{slot(spec.kind)}-{marker[-8:]}"
     p = SlurmPlan(
@@ -263,7 +265,7 @@ def _multi_node(role: ServerRole, argv: list[str], span: int) -> tuple[list[str]
 
 def _plan_trainer(p: SlurmPlan, spec: JobSpec, part_gpus: int | None, registry) -> None:
     t = spec.trainer
-    world = ParallelDims.from_alloc(t.alloc).world_size
+    world = spec.train_dims().world_size
     per_node = spec.scheduler_opts.gpus_per_node or part_gpus or world
     if world <= per_node:
         nnodes, nproc = 1, world
