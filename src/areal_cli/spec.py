@@ -111,6 +111,11 @@ class JobSpec:
         return ParallelDims.from_component(a.train or a.components[0])
 
     @property
+    def world_size(self) -> int:
+        """The training ranks of the job (0 for serving only)."""
+        return self.train_dims().world_size if self.trainer else 0
+
+    @property
     def kind(self) -> str:
         if self.servers and self.trainer:
             return "serve+train"

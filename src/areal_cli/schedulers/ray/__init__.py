@@ -85,7 +85,7 @@ class RayScheduler(Scheduler):
         from areal_cli.schedulers.ray import job
 
         plan = request.plan
-        rec = job.submit(plan, self.home)
+        rec = job.submit(plan, self.home, request.spec.world_size)
         handle = self._handle(rec)
         watch = job.Watch(
             plan, rec, self.home, self._stop, on_event,

@@ -42,7 +42,7 @@ EventFn = Callable[[str, dict], None]
 # -- starting --------------------------------------------------------------------------------
 
 
-def submit(plan: RayPlan, home: Path) -> RayRecord:
+def submit(plan: RayPlan, home: Path, world_size: int) -> RayRecord:
     """The run folder (private plan, the trainers' environment), the record, then the actors
     and group, asked of Ray (placed later). One live job per slot."""
     with _slot_lock(home, plan):
@@ -67,21 +67,13 @@ def submit(plan: RayPlan, home: Path) -> RayRecord:
             registry=plan.registry, run_dir=plan.run_dir, address=plan.address,
             actors=plan.actor_names(), group=group_name(plan.marker) if plan.trainers else None,
             alloc=plan.alloc, model=plan.model_path, replicas=len(plan.servers),
-            world_size=_world(plan), api_key_file=plan.api_key_file,
+            world_size=world_size, api_key_file=plan.api_key_file,
         )  # fmt: skip
         records.write(home, rec)
     for old in previous:
         if not old.live and old.run_dir != rec.run_dir:
             shutil.rmtree(old.run_dir, ignore_errors=True)
     return rec
-
-
-def _world(plan: RayPlan) -> int:
-    from areal_cli.parallel import ParallelDims
-
-    if not plan.trainers:
-        return 0
-    return ParallelDims.from_alloc(plan.trainers[0].env["AREAL_ALLOC"]).world_size
 
 
 def _private(path: Path, text: str) -> None:

@@ -75,7 +75,7 @@ class SlurmScheduler(Scheduler):
         from areal_cli.schedulers.slurm import job
 
         plan = request.plan
-        rec = job.submit(plan, self.home)
+        rec = job.submit(plan, self.home, request.spec.world_size)
         handle = self._handle(rec)
         if on_event:
             on_event("submitted", {"what": f"Slurm job {rec.job_id}", "job_id": rec.job_id})

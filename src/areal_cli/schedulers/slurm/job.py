@@ -40,7 +40,7 @@ EventFn = Callable[[str, dict], None]
 # -- submitting ----------------------------------------------------------------------------
 
 
-def submit(plan: SlurmPlan, home: Path) -> SlurmRecord:
+def submit(plan: SlurmPlan, home: Path, world_size: int) -> SlurmRecord:
     """Write the run folder (private plan, the trainers' environment, the script), sbatch it,
     record it. One live job per slot: a second submission is refused, naming the first."""
     with _slot_lock(home, plan):
@@ -75,7 +75,7 @@ def submit(plan: SlurmPlan, home: Path) -> SlurmRecord:
             alloc=plan.alloc,
             model=plan.model_path,
             replicas=len(plan.servers),
-            world_size=_world(plan),
+            world_size=world_size,
             api_key_file=plan.api_key_file,
         )
         records.write(home, rec)
@@ -83,14 +83,6 @@ def submit(plan: SlurmPlan, home: Path) -> SlurmRecord:
         if not old.live and old.run_dir != rec.run_dir:
             shutil.rmtree(old.run_dir, ignore_errors=True)
     return rec
-
-
-def _world(plan: SlurmPlan) -> int:
-    from areal_cli.parallel import ParallelDims
-
-    if not plan.trainers:
-        return 0
-    return ParallelDims.from_alloc(plan.trainers[0].env["AREAL_ALLOC"]).world_size
 
 
 def _private(path: Path, text: str) -> None:
