@@ -155,6 +155,21 @@ def test_how_slurm_ended_a_job_names_who_sent_the_signal():
     assert why.record_events("killed", None, scheduler="local") == []
 
 
+class _Reclaiming:
+    """A scheduler of its own that kills jobs when it takes their nodes back."""
+
+    killed_by = "the cluster reclaiming its nodes"
+
+
+def test_who_kills_a_job_is_what_its_scheduler_declares(monkeypatch):
+    from areal_cli import schedulers
+
+    monkeypatch.setitem(schedulers.NAMES, "reclaim", f"{__name__}:_Reclaiming")
+    (ev,) = why.record_events("killed", None, scheduler="reclaim")
+    assert (ev.kind, ev.sender) == ("signal", "the cluster reclaiming its nodes")
+    assert why.record_events("killed", None, scheduler="no-such-scheduler") == []
+
+
 def test_a_stop_from_areal_outranks_what_the_stopped_ranks_say():
     recs = why.record_events("stopped", "stopped by areal stop")
     lines = ["stopping: SIGTERM"]

@@ -604,8 +604,8 @@ def record_events(
                          order=(-1, 0)))  # fmt: skip
     elif slurm and slurm.group(1) in _SLURM_ENDS:
         sender = _SLURM_ENDS[slurm.group(1)]
-    elif state == "killed" and scheduler == "slurm":
-        sender = "Slurm preemption"  # PREEMPTED: the only way Slurm kills a job of ours
+    elif state == "killed" and _killed_by(scheduler):
+        sender = _killed_by(scheduler)
     elif low.startswith("watchdog:"):
         # --watchdog-action fail ended a job that stopped progressing: that stall is the
         # cause, the teardown's signals follow from it.
@@ -634,6 +634,19 @@ def record_events(
             out.append(Event("server_died", f"{label}{at} exited ({describe_code(code)})",
                              label, exit_code=code, order=(-1, 1)))  # fmt: skip
     return out
+
+
+def _killed_by(scheduler: str | None) -> str | None:
+    """Who ends a job that its record calls killed, as the job's scheduler declares."""
+    if not scheduler:
+        return None
+    from areal_cli import schedulers
+    from areal_cli.errors import UsageError
+
+    try:
+        return schedulers.scheduler_class(scheduler).killed_by
+    except UsageError:
+        return None
 
 
 _SLURM_ENDS = {

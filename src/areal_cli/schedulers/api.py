@@ -150,6 +150,9 @@ class Scheduler(ABC):
     name: str
     label: str = ""  # how messages name one of its jobs: "Slurm" job 58, "Ray" job 6294eae8
     runopts: tuple[RunOpt, ...] = ()  # the options it takes (spec.scheduler_opts holds them)
+    # Who `doctor why` names as the sender when a job record says only "killed": the one
+    # way this scheduler itself kills a job (None: it never does).
+    killed_by: str | None = None
 
     @abstractmethod
     def dryrun(self, spec: JobSpec) -> Request: ...

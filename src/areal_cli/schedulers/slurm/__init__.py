@@ -40,6 +40,7 @@ from areal_cli.schedulers.api import (
 class SlurmScheduler(Scheduler):
     name = "slurm"
     label = "Slurm"  # "Slurm job 58"
+    killed_by = "Slurm preemption"  # PREEMPTED: the only way Slurm kills a job of ours
     runopts = (
         RunOpt("partition", "str", "Slurm partition (default: the cluster's)", "--partition"),
         RunOpt("account", "str", "Slurm account to charge", "--account"),
