@@ -130,3 +130,32 @@ def test_gpus_and_ports_of_jobs_still_starting_are_taken(tmp_path, four_gpus):
         spec("sglang", 1, 2, tmp_path), tmp_path, str(tmp_path / "r"), check_packages=False
     )
     assert p.servers[0].gpus == [2, 3] and p.servers[0].port != 30000
+
+
+def test_a_plan_reads_the_parsed_allocation_and_the_opened_registry(tmp_path, monkeypatch):
+    """Parse once, open once: the planner takes the command's parsed allocation and its
+    registry object, and neither parses --alloc again nor opens another registry."""
+    from areal_cli import alloc, registry
+    from areal_cli.registry import FileRegistry
+    from areal_cli.schedulers import common
+
+    allocation = alloc.parse("fsdp:d2t2")
+    reg = FileRegistry(tmp_path / "r")
+
+    def refuse(*a, **kw):
+        raise AssertionError("parsed or opened again")
+
+    monkeypatch.setattr(alloc, "parse", refuse)
+    monkeypatch.setattr(registry, "open_registry", refuse)
+    monkeypatch.setattr(common, "open_registry", refuse)
+    monkeypatch.setattr(planner, "open_registry", refuse, raising=False)
+    t = TrainerRole(script="train.py", script_args=(), nproc=4, alloc=allocation.text,
+                    areal_overrides=True)  # fmt: skip
+    s = JobSpec(experiment="e", trial="t", trainer=t, alloc=allocation.text,
+                allocation=allocation, external_servers=("127.0.0.1:1",),
+                external_backend="sglang")  # fmt: skip
+    p = planner.plan(s, tmp_path, reg)
+    (tr,) = p.trainers
+    assert p.registry == reg.url and tr.env["AREAL_REGISTRY"] == reg.url
+    assert tr.env["AREAL_MESH"] == "pp=1,dp=2,cp=1,tp=2"
+    assert s.world_size == 4
