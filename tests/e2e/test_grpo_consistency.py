@@ -14,7 +14,9 @@ from tests.helpers import AREAL, REPO, areal
 
 TRAIN = str(REPO / "templates" / "grpo" / "train.py")
 CONFIG = str(REPO / "templates" / "grpo" / "tiny_cpu.yaml")
-STEPS = 6
+# Enough steps that the doctor, started once metrics appear, still finds the job stepping
+# on a loaded machine (it asks for a step about a second ahead).
+STEPS = 24
 
 
 def test_check_every_and_doctor_diverge_on_a_training_job(tmp_path, areal_env):

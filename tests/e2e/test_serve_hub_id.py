@@ -75,7 +75,9 @@ def test_revision_and_hub_ids_reach_sglang_and_vllm_argv():
     plan = json.loads(areal("serve", "--backend", "vllm", "--model", "Qwen/Qwen2.5-1.5B@v1.0",
                             "--dry-run", "--json", env=env, check=0).stdout)  # fmt: skip
     argv = plan["processes"][0]["argv"]
-    assert argv[argv.index("serve") + 1] == "Qwen/Qwen2.5-1.5B"
+    # vLLM starts as `python -m vllm.entrypoints.openai.api_server --model M` (its `vllm`
+    # console script does not run from every distribution).
+    assert argv[argv.index("--model") + 1] == "Qwen/Qwen2.5-1.5B"
     assert argv[argv.index("--revision") + 1] == "v1.0"
     assert plan["model_path"] == "Qwen/Qwen2.5-1.5B@v1.0"
 
