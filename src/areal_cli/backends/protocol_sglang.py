@@ -31,8 +31,13 @@ READY_PATH = "/ready"
 PING_PATH = "/ping"
 # Each tuple: the route, then older names tried when the newer answers 404.
 VERSION_PATHS = ("/model_info", "/get_weight_version")
+VERSION_OPTIONAL = False  # a server without them is broken, not old
 MODEL_INFO_PATHS = ("/model_info", "/get_model_info")
+MODEL_INFO_HAS_VERSION = True  # /model_info carries weight_version
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
+SERVER_INFO_QUERY = None
+# Whether a request needs what the server serves first (its model's name, its version).
+NEEDS_FACTS = False
 # The distributed update (srt/entrypoints/http_server.py).
 INIT_GROUP_PATH = "/init_weights_update_group"
 UPDATE_DISTRIBUTED_PATH = "/update_weights_from_distributed"
@@ -71,7 +76,10 @@ def sampling_params(
     return params
 
 
-def generate_request(prompt: list[int], sampling: dict) -> tuple[str, dict]:
+def generate_request(
+    prompt: list[int], sampling: dict, model: str | None = None, with_spans: bool = True
+) -> tuple[str, dict]:
+    """The /generate request; SGLang needs no model name and always says versions."""
     return "/generate", {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True}
 
 
@@ -131,6 +139,10 @@ def parse_version(data: Any) -> str | None:
 
 
 def parse_model_info(data: Any) -> dict[str, Any]:
+    return data
+
+
+def parse_server_info(data: Any) -> dict[str, Any]:
     return data
 
 

