@@ -313,7 +313,7 @@ def test_killing_areal_leaves_the_batch_job_running_and_stop_still_ends_it(slurm
         env={**os.environ, "FAKE_REAL_PYTHON": sys.executable},
     )  # fmt: skip
     reg = open_registry(registry)
-    wait_for(lambda: len(reg.list("default", "trial0").servers) == 2, 60, "servers not up")
+    wait_for(lambda: len(reg.list("default", "trial0").servers) == 2, 120, "servers not up")
     proc.kill()
     proc.wait()
     job = record(home)["job_id"]
