@@ -12,15 +12,10 @@ state seen and the outcome.
 
 from __future__ import annotations
 
-import json
-import os
-import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
-from areal_cli import settings
-from areal_cli.errors import UsageError
 from areal_cli.schedulers.api import LIVE
+from areal_cli.schedulers.job_records import JobRecords
 
 
 @dataclass
@@ -61,53 +56,6 @@ class RayRecord:
         return self.state in LIVE
 
 
-def root(home: Path) -> Path:
-    return home / "ray" / settings.user()
-
-
-def path(home: Path, experiment: str, trial: str, kind: str) -> Path:
-    slot = "serve" if kind == "serve" else "train"
-    return root(home) / experiment / trial / f"{slot}.json"
-
-
-def write(home: Path, rec: RayRecord) -> None:
-    rec.updated = time.time()
-    p = path(home, rec.experiment, rec.trial, rec.kind)
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(rec), indent=2))
-        os.replace(tmp, p)
-    except OSError as e:
-        raise UsageError(
-            f"cannot write the job record {p}: {e.strerror or e}",
-            hint="pick a writable --home (or AREAL_HOME)",
-        ) from None
-
-
-def read(p: Path) -> RayRecord | None:
-    try:
-        return RayRecord(**json.loads(p.read_text()))
-    except (OSError, ValueError, TypeError):
-        return None
-
-
-def load(home: Path, experiment: str, trial: str, kind: str | None = None) -> list[RayRecord]:
-    """The trial's records (of `kind` if given), live ones first."""
-    kinds = [kind] if kind else ["serve", "train"]
-    recs = [r for k in kinds if (r := read(path(home, experiment, trial, k))) is not None]
-    recs.sort(key=lambda r: (not r.live, r.kind == "serve", -r.submitted))
-    return recs
-
-
-def all_records(home: Path) -> list[RayRecord]:
-    """Every record of this user; an empty list, fast, when Ray was never used here."""
-    base = root(home)
-    if not base.is_dir():
-        return []
-    out = []
-    for p in [*base.glob("*/*/serve.json"), *base.glob("*/*/train.json")]:
-        rec = read(p)
-        if rec is not None:
-            out.append(rec)
-    return sorted(out, key=lambda r: r.submitted, reverse=True)
+_records = JobRecords("ray", RayRecord)
+root, path, write, read = _records.root, _records.path, _records.write, _records.read
+load, all_records = _records.load, _records.all_records

@@ -1,0 +1,65 @@
+"""Where a cluster scheduler (Slurm, Ray) keeps its job records in AREAL_HOME, one layout for
+all of them: `<home>/<scheduler>/<user>/<experiment>/<trial>/{serve,train}.json`, the trial's
+latest serving and training job. Each scheduler has its own record type and folder, never
+mixed with another's."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Generic, TypeVar
+
+from areal_cli import files, settings
+from areal_cli.errors import UsageError
+
+R = TypeVar("R")
+
+
+class JobRecords(Generic[R]):
+    def __init__(self, scheduler: str, record: type[R]):
+        self.scheduler, self.record = scheduler, record
+
+    def root(self, home: Path) -> Path:
+        return home / self.scheduler / settings.user()
+
+    def path(self, home: Path, experiment: str, trial: str, kind: str) -> Path:
+        slot = "serve" if kind == "serve" else "train"
+        return self.root(home) / experiment / trial / f"{slot}.json"
+
+    def write(self, home: Path, rec: R) -> None:
+        rec.updated = time.time()
+        p = self.path(home, rec.experiment, rec.trial, rec.kind)
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            files.write_atomic(p, json.dumps(asdict(rec), indent=2))
+        except OSError as e:
+            if files.is_full(e):
+                raise files.disk_full(p, e) from None
+            raise UsageError(
+                f"cannot write the job record {p}: {e.strerror or e}",
+                hint="pick a writable --home (or AREAL_HOME)",
+            ) from None
+
+    def read(self, p: Path) -> R | None:
+        try:
+            return self.record(**json.loads(p.read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def load(self, home: Path, experiment: str, trial: str, kind: str | None = None) -> list[R]:
+        """The trial's records (of `kind` if given), live ones first."""
+        kinds = [kind] if kind else ["serve", "train"]
+        recs = [r for k in kinds if (r := self.read(self.path(home, experiment, trial, k)))]
+        recs.sort(key=lambda r: (not r.live, r.kind == "serve", -r.submitted))
+        return recs
+
+    def all_records(self, home: Path) -> list[R]:
+        """Every record of this user; an empty list, fast, when the scheduler was never used
+        here."""
+        base = self.root(home)
+        if not base.is_dir():
+            return []
+        found = (self.read(p) for p in [*base.glob("*/*/serve.json"), *base.glob("*/*/train.json")])
+        return sorted((r for r in found if r is not None), key=lambda r: r.submitted, reverse=True)
