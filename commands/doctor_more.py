@@ -109,13 +109,17 @@ def _render_diverge(r) -> None:
         out.print("[green]all ranks agree[/]")
         return
     odd = sorted({r for m in rep["mismatches"] for r in m["ranks"]})
-    out.print(f"[red]rank(s) {', '.join(map(str, odd))} differ: "
+    where = sorted({r.nodes[x] for x in odd if x in r.nodes})
+    on = f" (node {', '.join(where)})" if where else ""
+    out.print(f"[red]rank(s) {', '.join(map(str, odd))}{escape(on)} differ: "
               f"{len(rep['mismatches'])} mismatch(es)[/]")  # fmt: skip
     for m in rep["mismatches"]:
         diff = "unconfirmed" if m["max_abs_diff"] is None else f"max |diff| {m['max_abs_diff']:.3g}"
+        on = sorted({r.nodes[x] for x in m["ranks"] if x in r.nodes})
         out.print(
             f"  {escape(m['name'])} ({m['kind']}, {list(m['shape'])}) along {m['dim']} "
             f"{m['group']}: rank(s) {m['ranks']} differ from rank {m['reference_rank']}, {diff}"
+            + (f" (on {escape(', '.join(on))})" if on else "")
         )
 
 
@@ -148,10 +152,7 @@ def memory_cmd(
     """
     from areal_cli.diagnose import memory
 
-    reports = [memory.gather(j) for j in _jobs(pid, job, home)]
-    if snapshot is not None:
-        for rep in reports:
-            memory.snapshot(rep, snapshot)
+    reports = [memory.gather(j, snapshot) for j in _jobs(pid, job, home)]
     if json_out:
         data = [r.to_json() for r in reports]
         console.print_json(data[0] if len(data) == 1 else {"jobs": data})
@@ -167,12 +168,17 @@ def _render_memory(rep) -> None:
     out = console.out
     cuda = any(r.cuda for r in rep.ranks)
     t = Table(title=f"memory of {escape(rep.job)}", title_justify="left")
-    for col in ("rank", "pid", "rss") + (
-        ("allocated", "reserved", "peak", "device") if cuda else ()
+    on_nodes = bool(rep.nodes or rep.errors)
+    for col in (
+        ("rank", "pid")
+        + (("node",) if on_nodes else ())
+        + ("rss",)
+        + (("allocated", "reserved", "peak", "device") if cuda else ())
     ):
         t.add_column(col, justify="right")
     for r in rep.ranks:
-        row = [str(r.rank), str(r.pid), _bytes(r.rss)]
+        row = [str(r.rank), str(r.pid)] + ([escape(r.node or "-")] if on_nodes else [])
+        row += [_bytes(r.rss)]
         if cuda:
             c = r.cuda or {}
             row += [_bytes(c.get("allocated")), _bytes(c.get("reserved")),
@@ -181,15 +187,24 @@ def _render_memory(rep) -> None:
     out.print(t)
     if rep.most:
         m = rep.most
-        out.print(f"most: rank {m['rank']} (pid {m['pid']}), {_bytes(m['bytes'])} {m['what']}")
-    h = rep.host
-    out.print(f"host: {_bytes(h['used'])} used of {_bytes(h['total'])}, "
-              f"{_bytes(h['available'])} available")  # fmt: skip
+        on = f" on {m['node']}" if m.get("node") else ""
+        out.print(f"most: rank {m['rank']} (pid {m['pid']}{on}), {_bytes(m['bytes'])} "
+                  f"{m['what']}")  # fmt: skip
+    hosts = {n: v["host"] for n, v in rep.nodes.items()} if on_nodes else {None: rep.host}
+    for node, h in hosts.items():
+        if not h:
+            continue
+        name = f"node {escape(node)}" if node else "host"
+        out.print(f"{name}: {_bytes(h['used'])} used of {_bytes(h['total'])}, "
+                  f"{_bytes(h['available'])} available")  # fmt: skip
+    for node, why in rep.errors.items():
+        out.print(f"[red]node {escape(node)}: {escape(why)}[/]")
     for cg in rep.cgroups.values():
         lim = "no limit" if cg["limit"] is None else f"limit {_bytes(cg['limit'])}"
         if cg["limit"] is not None and cg["limit_at"] != cg["path"]:
             lim += f" (set at {escape(cg['limit_at'])})"
-        out.print(f"cgroup {cg['version']} {escape(cg['path'])}: {_bytes(cg['usage'])} used, "
+        on = f" on {escape(cg['node'])}" if cg.get("node") else ""
+        out.print(f"cgroup {cg['version']} {escape(cg['path'])}{on}: {_bytes(cg['usage'])} used, "
                   f"{lim}" + (f", peak {_bytes(cg['peak'])}" if cg["peak"] else ""))  # fmt: skip
     if not cuda:
         out.print(
@@ -198,7 +213,7 @@ def _render_memory(rep) -> None:
     for s in rep.snapshots:
         if s["kind"] == "error":
             out.print(f"[red]rank {s['rank']}: {escape(s['error'])}[/]")
-        else:
+        elif s.get("path"):
             out.print(f"rank {s['rank']}: {s['kind']} written to {escape(s['path'])}")
 
 
@@ -299,16 +314,20 @@ def _render_profile(rep, where: Path) -> None:
     out = console.out
     t = Table(title=f"profile of {escape(rep.job)}, {rep.duration:g}s at {rep.rate}/s",
               title_justify="left")  # fmt: skip
-    for col in ("rank", "pid", "samples", "in collectives", "compute between", "top function"):
+    on_nodes = any(r.node for r in rep.ranks)
+    cols = ("rank", "pid") + (("node",) if on_nodes else ())
+    for col in cols + ("samples", "in collectives", "compute between", "top function"):
         t.add_column(col, justify="left" if col == "top function" else "right")
     for r in rep.ranks:
+        node = [escape(r.node or "-")] if on_nodes else []
         if r.error:
-            t.add_row(str(r.rank), str(r.pid), "-", "-", "-", f"[red]{escape(r.error)}[/]")
+            t.add_row(str(r.rank), str(r.pid), *node, "-", "-", "-", f"[red]{escape(r.error)}[/]")
             continue
         top = r.top_self[0] if r.top_self else None
         t.add_row(
             f"{r.rank}" if r.role == "rank" else f"server {r.rank}",
             str(r.pid),
+            *node,
             str(r.samples),
             f"{r.collective_share:.0%}",
             f"{r.compute_between_s:.3f}s",
@@ -319,4 +338,5 @@ def _render_profile(rep, where: Path) -> None:
         out.print(f"[bold red]straggler: {escape(rep.straggler['summary'])}[/]")
     else:
         out.print("no straggler: the ranks compute about as long between collectives")
-    out.print(f"[dim]flame graphs (rankN.svg), speedscope files and summary.json in {where}[/]")
+    names = "rankN-NODE.svg" if on_nodes else "rankN.svg"
+    out.print(f"[dim]flame graphs ({names}), speedscope files and summary.json in {where}[/]")

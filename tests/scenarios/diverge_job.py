@@ -8,6 +8,9 @@
 
 Each rank calls check_consistency once and writes SCENARIO_DIR/report-<rank>.json, then steps
 forever (an all_reduce and ctx.progress(step) every STEP_S seconds) for `areal doctor diverge`.
+
+ARM_DELAY_RANK / ARM_DELAY_S: that rank answers the doctor's arm request only after a delay,
+as a rank behind a slow round trip (another node, a loaded host) does.
 """
 
 import json
@@ -69,6 +72,16 @@ else:
 report = check_consistency(model, optimizer, loss)
 Path(os.environ["SCENARIO_DIR"], f"report-{sc.RANK}.json").write_text(json.dumps(report.to_json()))
 watch(model, optimizer)
+if os.environ.get("ARM_DELAY_RANK") == str(sc.RANK):
+    from areal_cli.worker import channel
+
+    arm = channel.HANDLERS["diverge_arm"]
+
+    def slow_arm(req, arm=arm):
+        time.sleep(float(os.environ["ARM_DELAY_S"]))
+        return arm(req)
+
+    channel.register("diverge_arm", slow_arm)
 step = 0
 while True:
     dist.all_reduce(torch.ones(1))

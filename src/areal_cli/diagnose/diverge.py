@@ -1,22 +1,34 @@
 """`areal doctor diverge`: ask a live job's ranks to compare their tensors at a step to come.
 
-Every rank must enter the check's collectives at the same step, so the doctor names one:
-it reads each rank's last step (ctx.progress) twice to see how fast steps go, picks a step
-about a second ahead of the furthest rank, and arms it on every rank. A rank arms it only
-while it has not reached that step; if any rank is past it, the request is cancelled on all
-and tried again further ahead. The ranks then run areal_cli.worker.check_consistency from
-their main threads at that step and keep the report until the doctor fetches it.
+Every rank must enter the check's collectives at the same step, so the doctor names one and
+arms it in two phases (areal_cli.worker.consistency): each rank accepts the step only while it
+has not reached it, and a rank that reaches an accepted step waits there for the doctor's
+decision; when every rank accepted, the doctor commits it on all, else it cancels it on all.
+No rank can so enter the check alone, however the requests and the steps interleave.
+
+The step is chosen ahead of the furthest rank by the steps the job makes while the requests
+travel: the step rate (each rank's last step read twice, 0.25 s apart) times a lead of a
+second plus two round trips of the requests, as measured (to reach a node of a cluster job is
+a scheduler call: hundreds of milliseconds). A cancelled step is chosen again with the rate
+and round trip measured anew and the lead doubled, a bounded number of times.
+
+A cluster job's ranks are asked on their nodes (diagnose.remote), every node at once in each
+phase; the ranks answer with their RANK, and the report names each rank's node.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from areal_cli.diagnose.targets import Job
 from areal_cli.errors import ArealError, UsageError, WaitTimeout
 from areal_cli.worker import channel
+
+TRIES = 5
+GAP_S = 0.25  # between the two reads of each rank's step
 
 
 @dataclass
@@ -27,86 +39,204 @@ class DivergeResult:
     ranks: list[int]
     not_reached: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    tries: int = 1
+    nodes: dict[int, str] = field(default_factory=dict)  # a cluster job: rank -> its node
 
     def to_json(self) -> dict:
         # "seconds" is the check's own time (in the report); wall_s the doctor's.
-        return {"job": self.job, "step": self.step, "ranks": self.ranks,
-                "not_reached": self.not_reached, "wall_s": round(self.seconds, 3),
-                **self.report}  # fmt: skip
+        out = {"job": self.job, "step": self.step, "ranks": self.ranks,
+               "not_reached": self.not_reached, "wall_s": round(self.seconds, 3),
+               "tries": self.tries, **self.report}  # fmt: skip
+        if self.nodes:
+            out["nodes"] = {str(r): n for r, n in sorted(self.nodes.items())}
+            for m in out.get("mismatches") or []:
+                m["nodes"] = sorted({self.nodes[r] for r in m["ranks"] if r in self.nodes})
+        return out
 
 
-def _ask_all(pids: dict[int, int], op: str, timeout: float = 5.0, **args) -> dict[int, dict]:
-    from concurrent.futures import ThreadPoolExecutor
+class _Local:
+    """The ranks of this host, asked over their channels directly."""
 
-    def one(pid: int):
-        try:
-            return channel.ask(pid, op, timeout=timeout, **args)
-        except channel.ChannelError as e:
-            return e
+    def __init__(self, job: Job):
+        self.pids = {r.rank if r.rank is not None else i: r.pid for i, r in enumerate(job.ranks)}
+        self.nodes: dict[int, str] = {}
+        self.world_size = job.world_size
 
-    with ThreadPoolExecutor(max_workers=min(32, len(pids) or 1)) as ex:
-        got = dict(zip(pids, ex.map(one, pids.values()), strict=True))
-    return got
+    def ask(self, op: str, timeout: float = 5.0, **args) -> dict[int, dict | Exception]:
+        def one(pid: int):
+            try:
+                return channel.ask(pid, op, timeout=timeout, **args)
+            except channel.ChannelError as e:
+                return e
+
+        with ThreadPoolExecutor(max_workers=min(32, len(self.pids) or 1)) as ex:
+            return dict(zip(self.pids, ex.map(one, self.pids.values()), strict=True))
+
+    def progress_twice(self, gap: float) -> tuple[dict, dict]:
+        first = self.ask("progress")
+        time.sleep(gap)
+        return first, self.ask("progress")
 
 
-def run(job: Job, *, timeout: float = 60.0, lead_s: float = 1.0) -> DivergeResult:
+class _Nodes:
+    """The ranks of a cluster job, asked on their nodes: one scheduler call per phase."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.nodes: dict[int, str] = {}
+        self.pids: dict[int, int] = {}
+        self.world_size = 0  # the largest WORLD_SIZE a node's ranks carry
+
+    def _call(self, op: str, timeout: float, gap: float = 0.0, **args) -> list[dict]:
+        from areal_cli.diagnose import remote
+
+        argv = ["diverge", "--op", op]
+        if "step" in args:
+            argv += ["--step", str(args["step"])]
+        if "wait" in args:
+            argv += ["--wait", str(args["wait"])]
+        if gap:
+            argv += ["--gap", str(gap)]
+        got = remote.on_nodes(self.job, argv, timeout=timeout + gap + 30.0)
+        bad = {n: why for n, (data, why) in got.items() if data is None or data.get("error")}
+        if bad:
+            node, why = next(iter(bad.items()))
+            raise ArealError(f"{self.job.label}: {why}",
+                             hint="the other nodes were not asked to check either")  # fmt: skip
+        out = []
+        for node, (data, _why) in got.items():
+            for r in data.get("ranks", []):
+                rank = r["rank"] if r["rank"] is not None else r["pid"]
+                self.nodes[rank], self.pids[rank] = node, r["pid"]
+                self.world_size = max(self.world_size, r.get("world_size") or 0)
+            out.append(data)
+        return out
+
+    def _answers(self, data: list[dict], key: str = "answers") -> dict[int, dict | Exception]:
+        out: dict[int, dict | Exception] = {}
+        for d in data:
+            rank_of = {r["pid"]: r["rank"] if r["rank"] is not None else r["pid"]
+                       for r in d.get("ranks", [])}  # fmt: skip
+            for pid, a in (d.get(key) or {}).items():
+                rank = rank_of.get(int(pid), int(pid))
+                if "channel_error" in a:
+                    out[rank] = channel.ChannelError(
+                        f"{a['channel_error']} (node {d.get('node')})", a.get("kind", "failed")
+                    )
+                else:
+                    out[rank] = a
+        return out
+
+    def ask(self, op: str, timeout: float = 5.0, **args) -> dict[int, dict | Exception]:
+        return self._answers(self._call(op, timeout, **args))
+
+    def progress_twice(self, gap: float) -> tuple[dict, dict]:
+        data = self._call("progress", 5.0, gap=gap)
+        return self._answers(data), self._answers(data, "again")
+
+
+def run(
+    job: Job, *, timeout: float = 60.0, lead_s: float = 1.0, tries: int = TRIES
+) -> DivergeResult:
     t0 = time.monotonic()
-    pids = {r.rank if r.rank is not None else i: r.pid for i, r in enumerate(job.ranks)}
-    first = _ask_all(pids, "progress")
+    ranks = _Nodes(job) if job.scheduler_job_id else _Local(job)
+    sent = time.monotonic()
+    first, again = ranks.progress_twice(GAP_S)
+    # One request's round trip: what the two reads took beyond the gap between them, halved.
+    rtt = max(0.0, (time.monotonic() - sent - GAP_S) / 2)
     _raise_unanswered(first, job)
-    steps = {r: a["step"] for r, a in first.items()}
+    _raise_unanswered(again, job)
+    steps = {r: a["step"] for r, a in again.items()}
     if any(s is None for s in steps.values()):
         silent = sorted(r for r, s in steps.items() if s is None)
         raise UsageError(
             f"rank(s) {silent} of {job.label} report no step",
             hint="the training loop must call ctx.progress(step) once per step",
         )
-    time.sleep(0.25)
-    again = _ask_all(pids, "progress")
-    _raise_unanswered(again, job)
-    rate = max(0, max(a["step"] for a in again.values()) - max(steps.values())) / 0.25
-    margin = 1 + math.ceil(rate * lead_s)
-    for _attempt in range(3):
-        target = max(a["step"] for a in again.values()) + margin
-        armed = _ask_all(pids, "diverge_arm", step=target)
-        _raise_unanswered(armed, job)
-        if all(a["armed"] for a in armed.values()):
+    world = max(ranks.world_size, len(steps))
+    if len(steps) < world:
+        lost = sorted(set(range(world)) - set(steps))
+        raise UsageError(
+            f"rank(s) {lost} of {job.label} (world size {world}) were not found: the check is a "
+            "collective of every rank",
+            hint="name the job (--job E/T) or its launcher's pid, not some of its ranks",
+        )
+    rate = _rate(first, again)
+    target = None
+    for attempt in range(1, tries + 1):
+        # The arm reaches the last rank within a round trip and the decision within another;
+        # a rank that gets there first waits, so the lead only keeps that wait short.
+        ahead = lead_s * 2 ** (attempt - 1) + 2 * rtt
+        target = max(a["step"] for a in again.values()) + 1 + math.ceil(rate * ahead)
+        sent = time.monotonic()
+        armed = ranks.ask("diverge_arm", step=target)
+        rtt = max(rtt, time.monotonic() - sent)
+        if all(isinstance(a, dict) and a.get("armed") for a in armed.values()):
+            committed = ranks.ask("diverge_commit", step=target)
+            lost = sorted(r for r, a in committed.items()
+                          if not (isinstance(a, dict) and a.get("committed")))  # fmt: skip
+            if lost:
+                raise ArealError(
+                    f"rank(s) {lost} of {job.label} did not take the commit of step {target} "
+                    "(they gave up waiting for it); the others run the check without them",
+                    hint="a job whose ranks then wait in the check hangs: areal doctor hang",
+                )
             break
-        _ask_all(pids, "diverge_cancel", step=target)
-        margin *= 4
-        again = _ask_all(pids, "progress")
+        ranks.ask("diverge_cancel", step=target)
+        _raise_unanswered(armed, job)
+        first, again = ranks.progress_twice(GAP_S)
+        _raise_unanswered(again, job)
+        rate = max(rate, _rate(first, again))
     else:
-        raise ArealError(f"the ranks of {job.label} outran every step named to them")
+        now = {r: a.get("step") for r, a in again.items() if isinstance(a, dict)}
+        raise ArealError(
+            f"the ranks of {job.label} outran every step named to them ({tries} tries, the "
+            f"last {target}; steps now {now}, about {rate:.0f} steps/s)",
+            hint="try again; a job whose steps come in bursts is hardest to catch",
+        )
     deadline = time.monotonic() + timeout
     results: dict[int, dict] = {}
-    while time.monotonic() < deadline and len(results) < len(pids):
-        wait = min(2.0, max(0.05, deadline - time.monotonic()))
-        pending = {r: p for r, p in pids.items() if r not in results}
-        got = _ask_all(pending, "diverge_result", timeout=wait + 5, step=target, wait=wait)
+    all_ranks = sorted(armed)
+    while time.monotonic() < deadline and len(results) < len(all_ranks):
+        # On a cluster job each poll is a scheduler call: wait longer in each.
+        most = 10.0 if isinstance(ranks, _Nodes) else 2.0
+        wait = min(most, max(0.05, deadline - time.monotonic()))
+        got = ranks.ask("diverge_result", timeout=wait + 5, step=target, wait=wait)
         for r, a in got.items():
-            if isinstance(a, channel.ChannelError):
+            if r in results:
+                continue
+            if isinstance(a, Exception):
                 results[r] = {"done": False, "error": str(a)}
             elif a.get("done") or a.get("error"):
                 results[r] = a
-    missing = sorted(r for r in pids if not results.get(r, {}).get("done"))
-    done = [r for r in sorted(pids) if results.get(r, {}).get("done")]
+    missing = sorted(r for r in all_ranks if not results.get(r, {}).get("done"))
+    done = [r for r in all_ranks if results.get(r, {}).get("done")]
     if not done:
         # Left armed on purpose: withdrawing it now could reach some ranks after the others
         # entered the check, and those would wait in its collectives for ever.
-        now = _ask_all(pids, "progress")
-        where = {r: a["step"] for r, a in now.items() if isinstance(a, dict)}
+        now = ranks.ask("progress")
+        where = {r: a["step"] for r, a in sorted(now.items()) if isinstance(a, dict)}
         raise WaitTimeout(
             f"no rank of {job.label} reached step {target} within {timeout:g}s (steps now "
             f"{where}); the check stays armed and runs if they get there",
             hint="a job that stopped stepping may hang: areal doctor hang",
         )
     report = results[done[0]]["report"]
-    return DivergeResult(job.name or job.label, target, report, sorted(pids), missing,
-                         time.monotonic() - t0)  # fmt: skip
+    return DivergeResult(job.name or job.label, target, report, all_ranks, missing,
+                         time.monotonic() - t0, attempt, dict(ranks.nodes))  # fmt: skip
+
+
+def _rate(first: dict, again: dict) -> float:
+    """Steps per second of the furthest rank between the two reads."""
+    a = [x["step"] for x in first.values() if isinstance(x, dict) and x.get("step") is not None]
+    b = [x["step"] for x in again.values() if isinstance(x, dict) and x.get("step") is not None]
+    if not a or not b:
+        return 0.0
+    return max(0, max(b) - max(a)) / GAP_S
 
 
 def _raise_unanswered(answers: dict, job: Job) -> None:
-    bad = {r: a for r, a in answers.items() if isinstance(a, channel.ChannelError)}
+    bad = {r: a for r, a in answers.items() if isinstance(a, Exception)}
     if bad:
         first = next(iter(bad.values()))
         raise UsageError(

@@ -9,6 +9,10 @@ killer or a scheduler ends a job.
 `snapshot(dir)`: on CUDA, each rank dumps torch's memory snapshot (the pickle
 pytorch.org/memory_viz reads); a rank without CUDA gets its RSS breakdown from
 /proc/PID/smaps_rollup (anonymous, file-backed, shared, swap) instead.
+
+A cluster job's ranks are read on their nodes, all at once (diagnose.remote): each row names
+its node, each node's memory stands beside its ranks, and snapshots come back to the caller's
+folder as rankN-NODE.*.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class RankMemory:
     cgroup: str | None = None
     channel: str | None = None  # why the channel gave nothing ("absent", ...)
     error: str | None = None
+    node: str | None = None  # a rank of a cluster job: the node it runs on
 
 
 @dataclass
@@ -45,45 +50,100 @@ class MemoryReport:
     cgroups: dict[str, dict] = field(default_factory=dict)
     most: dict | None = None
     snapshots: list[dict] = field(default_factory=list)
+    # A cluster job: node -> that node's memory (host) and cgroups; errors: node -> why not read.
+    nodes: dict[str, dict] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
-def gather(job: Job) -> MemoryReport:
+def gather(job: Job, snapshot_dir: str | Path | None = None) -> MemoryReport:
+    """Each rank's memory; with `snapshot_dir`, each rank's snapshot written there too."""
+    if snapshot_dir is not None:
+        output_dir(Path(snapshot_dir))  # a bad folder is exit 2 before any work
+    if job.scheduler_job_id:
+        return _gather_on_nodes(job, snapshot_dir)
+    pairs = [(r.rank if r.rank is not None else i, r.pid) for i, r in enumerate(job.ranks)]
+    rep = gather_ranks(pairs, job.name or job.label)
+    if snapshot_dir is not None:
+        snapshot(rep, snapshot_dir)
+    return rep
+
+
+def _gather_on_nodes(job: Job, snapshot_dir: str | Path | None) -> MemoryReport:
+    """Every node of a cluster job read at once where its ranks run (diagnose.remote); the
+    snapshots come back inside the answers and are written under `snapshot_dir`."""
+    from areal_cli.diagnose import remote
+
+    rows: list[RankMemory] = []
+    nodes: dict[str, dict] = {}
+    errors: dict[str, str] = {}
+    cgroups: dict[str, dict] = {}
+    snaps: list[dict] = []
+    argv = ["memory"] + (["--snapshot"] if snapshot_dir is not None else [])
+    for node, (data, why) in remote.on_nodes(job, argv, timeout=120.0).items():
+        if why:
+            errors[node] = why
+        if data is None:
+            continue
+        for row in data.get("rows", []):
+            rows.append(RankMemory(**{**row, "node": node}))
+            got = (data.get("snapshots") or {}).get(str(row["pid"]))
+            if got is None or snapshot_dir is None:
+                continue
+            entry = {k: v for k, v in got.items() if k not in ("data", "name")}
+            entry["node"] = node
+            if got.get("data"):
+                stem, _, ext = got["name"].partition(".")
+                path = Path(snapshot_dir) / f"{stem}-{node}.{ext}"
+                path.write_bytes(remote.unpack(got["data"]))
+                entry["path"] = str(path.resolve())
+            snaps.append(entry)
+        nodes[node] = {"host": data.get("host"), "cgroups": list(data.get("cgroups") or {})}
+        for cg, limits in (data.get("cgroups") or {}).items():
+            cgroups[f"{node}:{cg}"] = {**limits, "node": node}
+    rows.sort(key=lambda r: (r.rank if r.rank is not None else 1 << 30, r.pid))
+    return MemoryReport(job.name or job.label, rows, {}, cgroups, most=_most(rows),
+                        snapshots=sorted(snaps, key=lambda e: (e["rank"], e["pid"])),
+                        nodes=nodes, errors=errors)  # fmt: skip
+
+
+def gather_ranks(pairs: list[tuple[int | None, int]], label: str) -> MemoryReport:
+    """What the processes (rank, pid) of this host hold, beside this host's limits."""
     ranks = []
     cgroups: dict[str, dict] = {}
-    for i, r in enumerate(job.ranks):
-        rank = r.rank if r.rank is not None else i
-        rm = RankMemory(rank, r.pid, None)
+    for i, (rank, pid) in enumerate(pairs):
+        rank = rank if rank is not None else i
+        rm = RankMemory(rank, pid, None)
         try:
-            rm.rss = psutil.Process(r.pid).memory_info().rss
+            rm.rss = psutil.Process(pid).memory_info().rss
         except psutil.Error as e:
-            rm.error = f"cannot read pid {r.pid}: {type(e).__name__}"
-        rm.cgroup = cgroup_of(r.pid)
+            rm.error = f"cannot read pid {pid}: {type(e).__name__}"
+        rm.cgroup = cgroup_of(pid)
         if rm.cgroup is not None and rm.cgroup not in cgroups:
             cgroups[rm.cgroup] = cgroup_limits(rm.cgroup)
         try:
-            rm.cuda = channel.ask(r.pid, "memory", timeout=5.0).get("cuda")
+            rm.cuda = channel.ask(pid, "memory", timeout=5.0).get("cuda")
         except channel.ChannelError as e:
             rm.channel = e.kind
         ranks.append(rm)
     vm = psutil.virtual_memory()
     host = {"total": vm.total, "available": vm.available, "used": vm.total - vm.available}
-    return MemoryReport(job.name or job.label, ranks, host, cgroups, most=_most(ranks))
+    return MemoryReport(label, ranks, host, cgroups, most=_most(ranks))
 
 
 def _most(ranks: list[RankMemory]) -> dict | None:
     on_cuda = [r for r in ranks if r.cuda]
     if on_cuda:
         top = max(on_cuda, key=lambda r: r.cuda["reserved"])
-        return {"rank": top.rank, "pid": top.pid, "what": "cuda reserved",
+        return {"rank": top.rank, "pid": top.pid, "node": top.node, "what": "cuda reserved",
                 "bytes": top.cuda["reserved"]}  # fmt: skip
     known = [r for r in ranks if r.rss is not None]
     if not known:
         return None
     top = max(known, key=lambda r: r.rss)
-    return {"rank": top.rank, "pid": top.pid, "what": "rss", "bytes": top.rss}
+    return {"rank": top.rank, "pid": top.pid, "node": top.node, "what": "rss", "bytes": top.rss}
 
 
 def cgroup_of(pid: int) -> str | None:

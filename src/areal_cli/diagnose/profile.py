@@ -48,6 +48,7 @@ class RankProfile:
     speedscope: str | None = None
     svg: str | None = None
     error: str | None = None
+    node: str | None = None  # a rank of a cluster job: the node it runs on
 
 
 @dataclass
@@ -75,17 +76,51 @@ def record(
     on_progress: Callable[[float], None] | None = None,
 ) -> ProfileReport:
     t0 = time.monotonic()
-    pyspy = stacks.require_pyspy()
     out = Path(out_dir)
     output_dir(out)
-    targets = [
-        RankProfile(r.rank if r.rank is not None else i, r.pid) for i, r in enumerate(job.ranks)
-    ]
-    targets += [RankProfile(i, pid, role="server") for i, pid in enumerate(servers or [])]
+    if job.scheduler_job_id:
+        targets = _record_on_nodes(job, out, duration=duration, rate=rate, native=native,
+                                   on_progress=on_progress)  # fmt: skip
+    else:
+        stacks.require_pyspy()
+        targets = [
+            RankProfile(r.rank if r.rank is not None else i, r.pid) for i, r in enumerate(job.ranks)
+        ]
+        targets += [RankProfile(i, pid, role="server") for i, pid in enumerate(servers or [])]
+        paths = run_pyspy(targets, out, duration=duration, rate=rate, native=native,
+                          on_progress=on_progress, t0=t0)  # fmt: skip
+        for t, path in zip(targets, paths, strict=True):
+            if t.error is None:
+                finish(t, path, rate)
+    ranks = [t for t in targets if t.role == "rank"]
+    rep = ProfileReport(job.name or job.label, duration, rate, native, targets, straggler(ranks))
+    rep.wall_s = round(time.monotonic() - t0, 3)
+    (out / "summary.json").write_text(json.dumps(rep.to_json(), indent=1))
+    return rep
+
+
+def _stem(t: RankProfile) -> str:
+    where = f"-{t.node}" if t.node else ""
+    return f"rank{t.rank}{where}" if t.role == "rank" else f"server{t.rank}{where}"
+
+
+def run_pyspy(
+    targets: list[RankProfile],
+    out: Path,
+    *,
+    duration: float,
+    rate: int,
+    native: bool,
+    on_progress: Callable[[float], None] | None = None,
+    t0: float | None = None,
+) -> list[Path]:
+    """One `py-spy record` per target, all at once, each writing its speedscope file under
+    `out`; a target whose recording failed gets its `error`."""
+    pyspy = stacks.require_pyspy()
+    t0 = time.monotonic() if t0 is None else t0
     running: list[tuple[RankProfile, subprocess.Popen, Path]] = []
     for t in targets:
-        stem = f"rank{t.rank}" if t.role == "rank" else f"server{t.rank}"
-        path = out / f"{stem}.speedscope.json"
+        path = out / f"{_stem(t)}.speedscope.json"
         argv = [pyspy, "record", "--pid", str(t.pid), "--duration", f"{duration:g}",
                 "--rate", str(rate), "--format", "speedscope", "--output", str(path),
                 "--idle", "--full-filenames", "--nolineno"]  # fmt: skip
@@ -118,22 +153,69 @@ def record(
         if p.returncode != 0 or not path.exists():
             line = next((x for x in err.splitlines() if "rror" in x), err.strip()[-200:])
             t.error = line or f"py-spy exited with {p.returncode}"
-            continue
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            t.error = f"unreadable speedscope file {path}: {e}"
-            continue
-        t.speedscope = str(path)
-        summarise(t, data, rate)
-        svg = path.with_name(path.name.replace(".speedscope.json", ".svg"))
-        svg.write_text(flamegraph_svg(*main_thread(data), title=f"{t.role} {t.rank} (pid {t.pid})"))
-        t.svg = str(svg)
-    ranks = [t for t in targets if t.role == "rank"]
-    rep = ProfileReport(job.name or job.label, duration, rate, native, targets, straggler(ranks))
-    rep.wall_s = round(time.monotonic() - t0, 3)
-    (out / "summary.json").write_text(json.dumps(rep.to_json(), indent=1))
-    return rep
+    return [path for _, _, path in running]
+
+
+def finish(t: RankProfile, path: Path, rate: int) -> None:
+    """Read a target's speedscope file: its summary, and its flame graph beside it."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        t.error = f"unreadable speedscope file {path}: {e}"
+        return
+    t.speedscope = str(path)
+    summarise(t, data, rate)
+    svg = path.with_name(path.name.replace(".speedscope.json", ".svg"))
+    where = f" on {t.node}" if t.node else ""
+    title = f"{t.role} {t.rank} (pid {t.pid}{where})"
+    svg.write_text(flamegraph_svg(*main_thread(data), title=title))
+    t.svg = str(svg)
+
+
+def _record_on_nodes(
+    job: Job, out: Path, *, duration: float, rate: int, native: bool,
+    on_progress: Callable[[float], None] | None,
+) -> list[RankProfile]:  # fmt: skip
+    """A cluster job: py-spy on every node at once (diagnose.remote), its files brought back
+    and written under `out` as rankN-NODE.*; a node that gives none is an error per rank."""
+    import threading
+
+    from areal_cli.diagnose import remote
+
+    t0 = time.monotonic()
+    start = time.time() + 1.0  # every node starts recording at one moment
+    argv = ["profile", "--duration", f"{duration:g}", "--rate", str(rate),
+            "--start", f"{start:.3f}"] + (["--native"] if native else [])  # fmt: skip
+    got: dict = {}
+    worker = threading.Thread(
+        target=lambda: got.update(remote.on_nodes(job, argv, timeout=duration + 60.0)),
+        daemon=True,
+    )
+    worker.start()
+    while worker.is_alive():
+        if on_progress is not None:
+            on_progress(min(duration, max(0.0, time.monotonic() - t0 - 1.0)))
+        worker.join(0.1)
+    targets: list[RankProfile] = []
+    known = {(r.node, r.pid): r for r in job.ranks}
+    for node, (data, why) in got.items():
+        seen = set()
+        for r in (data or {}).get("ranks", []):
+            t = RankProfile(r["rank"], r["pid"], node=node)
+            seen.add((node, r["pid"]))
+            answer = (data.get("profiles") or {}).get(str(r["pid"])) or {}
+            if why or "speedscope" not in answer:
+                t.error = answer.get("error") or why or "no profile came back"
+            else:
+                path = out / f"{_stem(t)}.speedscope.json"
+                path.write_bytes(remote.unpack(answer["speedscope"]))
+                finish(t, path, rate)
+            targets.append(t)
+        for (n, pid), r in known.items():
+            if n == node and (n, pid) not in seen:
+                targets.append(RankProfile(r.rank, pid, node=node,
+                                           error=why or "the process exited"))  # fmt: skip
+    return sorted(targets, key=lambda t: (t.rank if t.rank is not None else 1 << 30, t.pid))
 
 
 def output_dir(path: Path) -> Path:
@@ -216,13 +298,15 @@ def straggler(ranks: list[RankProfile]) -> dict | None:
     waiting = [r for r in ok if r is not slow and r.collective_share >= MIN_WAIT_SHARE]
     if not waiting or slow.compute_between_s < STRAGGLER_RATIO * max(median, 1e-9):
         return None
+    on = f" (on {slow.node})" if slow.node else ""
     return {
         "rank": slow.rank,
         "pid": slow.pid,
+        "node": slow.node,
         "compute_between_s": slow.compute_between_s,
         "others_median_s": median,
         "ratio": round(slow.compute_between_s / max(median, 1e-9), 2),
-        "summary": f"rank {slow.rank} computes {slow.compute_between_s:.3f}s between "
+        "summary": f"rank {slow.rank}{on} computes {slow.compute_between_s:.3f}s between "
         f"collectives, the others {median:.3f}s, and they wait for it "
         f"({min(r.collective_share for r in waiting):.0%}+ of their time in collectives)",
     }

@@ -14,10 +14,12 @@ confirmed on the tensor itself (all_gathered within its group): the largest abso
 difference from the reference rank (the majority's value; on a tie, the value of the group's
 lowest rank). At most `confirm` tensors are confirmed; the rest are reported unconfirmed.
 
-A live job's ranks run it on the doctor's request (`areal doctor diverge`): the request names
-a step; each rank arms it only while it has not reached that step, and `ctx.progress(step)`
-runs it from the main thread when the step comes, so every rank enters the collectives at
-the same step.
+A live job's ranks run it on the doctor's request (`areal doctor diverge`), in two phases
+so that no rank can enter the check's collectives alone: the doctor arms a step on every rank
+(a rank accepts only while it has not reached that step), then commits it on all or cancels
+it on all. A rank that reaches an armed step before the doctor's decision waits for it there
+(at most PENDING_WAIT_S); `ctx.progress(step)` then runs the check from the main thread, so
+every rank enters the collectives at the same step, or none does.
 """
 
 from __future__ import annotations
@@ -282,8 +284,15 @@ def _device(pg):
 
 # --------------------------------------------------------------------------- on request
 
+# How long a rank that reached an armed step waits for the doctor's commit or cancel. The
+# doctor decides within a round trip to each node; past this it has gone (killed between its
+# two phases), and the rank goes on without the check rather than stall training for ever.
+PENDING_WAIT_S = 30.0
+
 _LOCK = threading.Lock()
-_ARMED: dict[int, dict] = {}  # step -> {"event": Event, "report": dict | None}
+# step -> {"state": "pending" | "committed", "decided": Event, "event": Event (the report is
+# in), "report": dict | None}
+_ARMED: dict[int, dict] = {}
 _TARGETS: dict[str, Any] = {}  # what the runtime checks: model, optimizer (from watch())
 
 
@@ -303,6 +312,16 @@ def at_step(step: int) -> None:
         slot = _ARMED.get(step)
     if slot is None or slot.get("report") is not None:
         return
+    if slot["state"] == "pending":
+        # The doctor has not decided yet: running now could put this rank alone in the
+        # check's collectives, going on could leave the others there alone.
+        slot["decided"].wait(PENDING_WAIT_S)
+        with _LOCK:
+            if slot["state"] != "committed":
+                if _ARMED.get(step) is slot:
+                    del _ARMED[step]
+                slot["state"] = "expired"
+                return
     model = _TARGETS.get("model")
     if model is None:
         import torch.distributed as dist
@@ -322,21 +341,43 @@ def at_step(step: int) -> None:
 
 
 def _arm(req: dict) -> dict:
+    """Phase one: accept `step` while this rank has not reached it (`commit: true` arms it
+    at once, for a single rank)."""
     step = int(req["step"])
-    now = channel.PROGRESS.step
+    rank = channel._env_int("RANK")
     with _LOCK:
+        # Read under the lock: the main thread records a step before it looks for a slot,
+        # so a step seen below it here is one whose at_step has not looked yet.
+        now = channel.PROGRESS.step
         if now is not None and now >= step:
-            return {"armed": False, "current": now, "rank": channel._env_int("RANK")}
-        _ARMED.setdefault(step, {"event": threading.Event(), "report": None})
-    return {"armed": True, "current": now, "rank": channel._env_int("RANK"),
-            "has_model": "model" in _TARGETS}  # fmt: skip
+            return {"armed": False, "current": now, "rank": rank}
+        slot = _ARMED.setdefault(step, {"state": "pending", "decided": threading.Event(),
+                                        "event": threading.Event(), "report": None})  # fmt: skip
+        if req.get("commit"):
+            slot["state"] = "committed"
+            slot["decided"].set()
+    return {"armed": True, "current": now, "rank": rank, "has_model": "model" in _TARGETS}
+
+
+def _commit(req: dict) -> dict:
+    """Phase two: every rank accepted; run the check when the step comes."""
+    with _LOCK:
+        slot = _ARMED.get(int(req["step"]))
+        if slot is None or slot["state"] not in ("pending", "committed"):
+            return {"committed": False, "current": channel.PROGRESS.step}
+        slot["state"] = "committed"
+        slot["decided"].set()
+    return {"committed": True, "current": channel.PROGRESS.step}
 
 
 def _cancel(req: dict) -> dict:
+    """Phase two: some rank was past the step; withdraw it (only while nothing ran)."""
     with _LOCK:
         slot = _ARMED.get(int(req["step"]))
-        if slot is not None and slot["report"] is None:
+        if slot is not None and slot["report"] is None and slot["state"] == "pending":
             del _ARMED[int(req["step"])]
+            slot["state"] = "cancelled"
+            slot["decided"].set()
             return {"cancelled": True}
     return {"cancelled": False}
 
@@ -355,5 +396,6 @@ def _result(req: dict) -> dict:
 
 
 channel.register("diverge_arm", _arm)
+channel.register("diverge_commit", _commit)
 channel.register("diverge_cancel", _cancel)
 channel.register("diverge_result", _result)
