@@ -13,7 +13,8 @@ last one skips an all_reduce and the others wait in it. In one run, interleaved,
 The ratio compares the same work (one dump of every rank, and the doctor also judges). The
 default run waits between its samples on purpose; its time is printed beside, split like the
 doctor's: start-up (interpreter, imports, output), finding the ranks, the permission check,
-dumping, waiting, judging. 64 ranks need about 64 x 170 MB: the run is skipped, and says so,
+dumping, waiting, asking the flight recorders, judging. The load average is printed before and
+after each size: on a shared host it decides more than the code does. 64 ranks need about 64 x 170 MB: the run is skipped, and says so,
 when the host has not that much memory available.
 """
 
@@ -133,12 +134,13 @@ def phases(wall: float, out: str, n: int) -> dict[str, float]:
         "preflight": t["preflight_s"],
         "dump": t["dump_s"],
         "wait": t["wait_s"],
+        "flight": t.get("flight_s", 0.0),
         "judge": t["judge_s"],
     }
 
 
 def split(p: dict[str, float]) -> str:
-    parts = ["start-up", "find", "preflight", "dump", "wait", "judge"]
+    parts = ["start-up", "find", "preflight", "dump", "wait", "flight", "judge"]
     return f"{p['wall'] * 1000:.0f} ms = " + " + ".join(
         f"{k} {p[k] * 1000:.0f}" for k in parts if k != "wait" or p[k] > 0
     )
@@ -186,7 +188,8 @@ def measure(n: int, pyspy: str) -> float | None:
 
 def main() -> int:
     pyspy = stacks.require_pyspy()
-    print(f"  py-spy workers: {stacks.default_workers()} (CPUs usable, and one)", file=sys.stderr)
+    print(f"  py-spy processes at once: {stacks.default_workers()}", file=sys.stderr)
+    print(f"  load average: {Path('/proc/loadavg').read_text().strip()}", file=sys.stderr)
     sizes = [int(a) for a in sys.argv[1:]] or list(TARGETS)  # e.g. `bench_doctor_hang.py 16`
     for n in sizes:
         target = TARGETS.get(n, 1.0)
@@ -196,6 +199,7 @@ def main() -> int:
             continue
         mark = "ok" if ratio <= target else "MISSED"
         print(f"doctor_hang_vs_pyspy_loop[{n}]: {ratio:.2f}   (target <= {target}, {mark})")
+        print(f"  load average: {Path('/proc/loadavg').read_text().strip()}", file=sys.stderr)
     return 0
 
 

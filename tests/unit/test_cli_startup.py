@@ -151,3 +151,64 @@ def test_doctor_hang_plain_parser_reads_what_typer_reads():
     assert opts["pid"] == [3, 4] and opts["samples"] == 2 and opts["interval"] == 0.0
     assert opts["json_out"] and opts["native"] and not opts["show_locals"]
     assert str(opts["out_dir"]) == "d" and opts["timeout"] == 10.0 and opts["job"] is None
+
+
+# What `doctor hang` may have imported when its first py-spy starts: the rest (the verdict's
+# rules, the flight recorder's reader, rendering) is imported while the dumps run.
+RECORD_AT_FIRST_DUMP = """
+import json, os, sys
+from areal_cli.diagnose import stacks
+start = stacks.start_many
+def first(*a, **k):
+    if not os.path.exists(os.environ["MODULES_AT_DUMP"]):
+        json.dump(sorted(sys.modules), open(os.environ["MODULES_AT_DUMP"], "w"))
+    return start(*a, **k)
+stacks.start_many = first
+sys.argv = ["areal", *sys.argv[1:]]
+from areal_cli.cli import main
+main()
+"""
+
+BEFORE_DUMP_AREAL = {
+    "areal_cli",
+    "areal_cli.cli",
+    "areal_cli.errors",
+    "areal_cli.console",
+    "areal_cli.commands",
+    "areal_cli.commands.doctor_hang",
+    "areal_cli.diagnose",
+    "areal_cli.diagnose.hang",
+    "areal_cli.diagnose.stacks",
+    "areal_cli.diagnose.permissions",
+    "areal_cli.diagnose.targets",
+    "areal_cli.procs",
+    "areal_cli.settings",
+}
+BEFORE_DUMP_THIRD_PARTY = {"psutil"}  # finding the ranks; everything else is the stdlib
+
+
+def test_doctor_hang_starts_dumping_before_it_imports_the_judges(tmp_path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    at_dump = tmp_path / "at_dump.json"
+    try:
+        env = {**os.environ, "MODULES_AT_DUMP": str(at_dump)}
+        args = ["doctor", "hang", "--pid", str(sleeper.pid), "--json", "--samples", "1"]
+        res = subprocess.run(
+            [sys.executable, "-c", RECORD_AT_FIRST_DUMP, *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["verdict"]["kind"] == "blocked_outside_collective"
+    mods = set(json.loads(at_dump.read_text()))
+    ours = {m for m in mods if m.split(".")[0] == "areal_cli"}
+    assert ours <= BEFORE_DUMP_AREAL, sorted(ours - BEFORE_DUMP_AREAL)
+    stdlib = set(sys.stdlib_module_names)
+    others = roots(mods) - stdlib - {"areal_cli", "__main__", "_distutils_hack"}
+    others = {m for m in others if not m.startswith("__editable__")}
+    assert others <= BEFORE_DUMP_THIRD_PARTY, sorted(others - BEFORE_DUMP_THIRD_PARTY)

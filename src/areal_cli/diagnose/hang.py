@@ -15,17 +15,24 @@ shape or group mismatch and a bundle is written (--out, the watchdog), torch's o
 
 from __future__ import annotations
 
-import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from areal_cli.diagnose import flight, permissions, stacks
-from areal_cli.diagnose.targets import Job, RankProc
-from areal_cli.diagnose.verdict import Analysis, RankSamples, analyze
+from areal_cli.diagnose import permissions, stacks
 from areal_cli.errors import EXIT_FAILED, ArealError, UsageError
+
+if TYPE_CHECKING:
+    from areal_cli.diagnose import flight
+    from areal_cli.diagnose.targets import Job
+    from areal_cli.diagnose.verdict import Analysis
+
+# What judges the dumps (verdict, flight, collectives) is imported while the first py-spy
+# processes run, not before: on two cores that import and the dumps overlap.
 
 DEFAULT_SAMPLES = 3
 DEFAULT_INTERVAL = 0.5  # seconds from one sample's start to the next
@@ -137,7 +144,7 @@ def diagnose(
                 on_progress(i, done, len(pids))
 
         t0 = time.monotonic()
-        dumps = stacks.dump_many(
+        pending = stacks.start_many(
             pids,
             pyspy=pyspy,
             native=native,
@@ -146,14 +153,23 @@ def diagnose(
             previous=rounds[-1] if rounds else None,
             on_done=tick,
         )
+        if i == 0:
+            _import_judges()
+        dumps = pending.wait()
         dump_s += time.monotonic() - t0
         rounds.append(dumps)
         if all(d.error_kind == "gone" for d in dumps.values()):
             break  # nothing left to sample
 
+    from areal_cli.diagnose import flight
+    from areal_cli.worker import channel
+
     t0 = time.monotonic()
     # After the last sample: the recorder then says where the ranks stand as the last stacks do.
-    flights = flight.gather(pids) if with_flight else {}
+    # Only ranks with a doctor channel are asked (a plain torchrun script has none): one
+    # thread per rank that has nothing to say costs more than its dump's judging.
+    asked = [p for p in pids if channel.find(p) is not None] if with_flight else []
+    flights = flight.gather(asked) if asked else {}
     flight_s = time.monotonic() - t0
     t0 = time.monotonic()
     reports = [_judge(job, rounds, tracer, flights=flights) for job in jobs]
@@ -174,10 +190,23 @@ def diagnose(
     return reports
 
 
+def _import_judges() -> None:
+    """Import the modules that judge the dumps while the dump threads run. The switch
+    interval is shortened meanwhile: a dump thread whose py-spy finished waits for the GIL
+    no longer than that before it reads the output and starts the next one."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(min(interval, 0.0005))
+    try:
+        from areal_cli.diagnose import flight, verdict  # noqa: F401
+    finally:
+        sys.setswitchinterval(interval)
+
+
 def _diagnose_on_nodes(job: Job, **opts) -> HangReport:
     """A cluster job: every node sampled at once where its ranks run (diagnose.nodes); the
     ranks of a node that cannot be reached are errors naming it, the verdict is the others'."""
-    from areal_cli.diagnose import nodes
+    from areal_cli.diagnose import flight, nodes
+    from areal_cli.diagnose.targets import RankProc
 
     started = time.monotonic()
     found = nodes.sample(job.scheduler_job_id, job.nodes, job.marker, reach=job.reach, **opts)
@@ -236,6 +265,9 @@ def _diagnose_on_nodes(job: Job, **opts) -> HangReport:
 def _judge(
     job: Job, rounds: list[dict], tracer, key=lambda r: r.pid, flights: dict | None = None
 ) -> HangReport:
+    from areal_cli.diagnose import flight
+    from areal_cli.diagnose.verdict import RankSamples, analyze
+
     sourced: set[int] = set()
     for rd in rounds:
         for d in rd.values():
@@ -299,6 +331,8 @@ def _torch_analysis(rep: HangReport) -> None:
         return
     if not os.path.isabs(python):
         return
+    from areal_cli.diagnose import flight
+
     with tempfile.TemporaryDirectory(prefix="areal-fr-") as d:
         said = flight.torch_analysis(list(rep.flights.values()), python, Path(d))
     rep.torch_analysis = said
@@ -371,6 +405,10 @@ def to_json(reports: list[HangReport]) -> dict:
 def write_bundle(reports: list[HangReport], out_dir: str | Path) -> list[Path]:
     """Raw py-spy output per rank and sample taken plus summary.json, ready to attach to an
     issue."""
+    import json
+
+    from areal_cli.diagnose import flight
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []

@@ -1,5 +1,5 @@
 """Python stacks of live processes, taken with `py-spy dump --json`, one py-spy per process,
-as many at once as this machine has CPUs for.
+many at once (`default_workers`).
 
 py-spy pauses a process for a few milliseconds, reads its interpreter state from outside and
 lets it go: nothing has to be installed in the target, which is the whole point for a job that
@@ -36,6 +36,7 @@ from pathlib import Path
 from areal_cli.errors import UsageError
 
 DEFAULT_TIMEOUT = 10.0
+MIN_WORKERS = 16  # py-spy processes at once, however few the CPUs: see default_workers
 Counters = dict[int, tuple[int, int]]  # thread id -> (CPU ns, times scheduled in)
 
 
@@ -358,16 +359,47 @@ def dump_many(
     workers: int | None = None,
     on_done: Callable[[Dump], None] | None = None,
 ) -> dict[int, Dump]:
-    """Dump every pid, `workers` py-spy processes at a time (default: one per usable CPU, and
-    one more).
+    """Dump every pid, `workers` py-spy processes at a time (default: `default_workers`).
+    With `previous` (the last sample), a process none of whose Python threads ran since is
+    not dumped again."""
+    return start_many(
+        pids,
+        pyspy=pyspy,
+        native=native,
+        show_locals=show_locals,
+        timeout=timeout,
+        previous=previous,
+        workers=workers,
+        on_done=on_done,
+    ).wait()
 
-    py-spy is mostly CPU-bound (it parses the interpreter's symbols and reads the target's
-    memory): many more py-spy processes than CPUs only queue up and thrash. With `previous` (the last
-    sample), a process none of whose Python threads ran since is not dumped again.
-    """
+
+class Pending:
+    """Dumps under way in threads of their own (`start_many`); `wait` returns them."""
+
+    def __init__(self, pids: list[int], out: dict[int, Dump], threads: list[threading.Thread]):
+        self._pids, self._out, self._threads = pids, out, threads
+
+    def wait(self) -> dict[int, Dump]:
+        for t in self._threads:
+            t.join()
+        return {pid: self._out[pid] for pid in self._pids}
+
+
+def start_many(
+    pids: Iterable[int],
+    *,
+    pyspy: str,
+    native: bool = False,
+    show_locals: bool = False,
+    timeout: float = DEFAULT_TIMEOUT,
+    previous: dict[int, Dump] | None = None,
+    workers: int | None = None,
+    on_done: Callable[[Dump], None] | None = None,
+) -> Pending:
+    """`dump_many` without waiting: the py-spy processes start now, and the caller's thread
+    is free meanwhile (the doctor imports what judges the dumps while they run)."""
     pids = list(dict.fromkeys(pids))
-    if not pids:
-        return {}
     out: dict[int, Dump] = {}
     todo = iter(pids)
     lock = threading.Lock()
@@ -391,14 +423,11 @@ def dump_many(
                 if on_done is not None:
                     on_done(d)
 
-    n = max(1, min(len(pids), workers or default_workers()))
-    threads = [threading.Thread(target=work, name=f"py-spy-{i}") for i in range(n - 1)]
+    n = max(1, min(len(pids), workers or default_workers())) if pids else 0
+    threads = [threading.Thread(target=work, name=f"py-spy-{i}", daemon=True) for i in range(n)]
     for t in threads:
         t.start()
-    work()  # this thread is a worker too
-    for t in threads:
-        t.join()
-    return {pid: out[pid] for pid in pids}
+    return Pending(pids, out, threads)
 
 
 def _sample(
@@ -459,9 +488,15 @@ def did_not_run(before: Counters, now: Counters, pending: frozenset[int]) -> boo
 
 
 def default_workers() -> int:
-    """One more than the CPUs this process may use (its affinity mask, capped by a cgroup CPU
-    quota): part of each dump is spent waiting for the target's threads to be scheduled
-    and stop, time in which another py-spy can use the CPU."""
+    """How many py-spy processes run at once: at least MIN_WORKERS, and one more than the
+    CPUs this process may use (its affinity mask, capped by a cgroup CPU quota).
+
+    Part of each dump is spent waiting for the target's threads to be scheduled and stop,
+    time in which another py-spy can use the CPU. And a doctor is run on a busy host: there
+    its dumps' share of the CPUs grows with how many of them run (16 at once took 150-230 ms
+    for 16 ranks at a load average of 15 on two cores, 3 at once 310-400 ms); each py-spy
+    holds about 18 MB.
+    """
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -472,7 +507,7 @@ def default_workers() -> int:
             n = min(n, max(1, -(-int(quota) // int(period))))
     except (OSError, ValueError):
         pass
-    return max(1, n) + 1
+    return max(MIN_WORKERS, max(1, n) + 1)
 
 
 # --------------------------------------------------------------------------- scheduler counters
