@@ -15,7 +15,7 @@ import signal
 import uuid
 from pathlib import Path
 
-from areal_cli import logfiles
+from areal_cli import logfiles, settings
 from areal_cli.launchers import torchrun
 from areal_cli.parallel import MESH_ENV
 from areal_cli.registry import Registry, open_registry
@@ -28,6 +28,16 @@ TAIL_LINES = 20
 def new_marker(experiment: str, trial: str) -> str:
     """What every process of one job carries in AREAL_JOB_MARKER (and its registry entries)."""
     return f"{MARKER_PREFIX}-{experiment}-{trial}-{uuid.uuid4().hex[:8]}"
+
+
+def plan_fields(spec: JobSpec, home: Path, registry: Registry) -> dict:
+    """What every plan of `spec` holds, whichever scheduler runs it (`registry`: opened)."""
+    return dict(
+        experiment=spec.experiment, trial=spec.trial, kind=spec.kind,
+        log_dir=str(settings.log_dir(home, spec.experiment, spec.trial)), home=str(home),
+        registry=registry.url, marker=new_marker(spec.experiment, spec.trial), alloc=spec.alloc,
+        health_timeout=spec.health_timeout, registry_ttl=settings.registry_ttl(),
+    )  # fmt: skip
 
 
 def is_loopback(host: str) -> bool:

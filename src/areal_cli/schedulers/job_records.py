@@ -7,12 +7,55 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Generic, TypeVar
 
 from areal_cli import files, settings
 from areal_cli.errors import UsageError
+from areal_cli.schedulers.api import LIVE
+
+
+def slot(kind: str) -> str:
+    """The trial's slot a job of `kind` takes: its serving job, or its training job."""
+    return "serve" if kind == "serve" else "train"
+
+
+@dataclass
+class ClusterRecord:
+    """What every cluster scheduler records of a job; each adds its own fields."""
+
+    experiment: str
+    trial: str
+    kind: str
+    job_id: str
+    marker: str
+    state: str  # our words (schedulers.api LIVE / ENDED)
+    submitted: float
+    log_dir: str
+    registry: str
+    run_dir: str
+    alloc: str | None = None
+    model: str | None = None
+    replicas: int = 0
+    world_size: int = 0
+    nodes: list[str] = field(default_factory=list)
+    reason: str | None = None
+    api_key_file: str | None = None
+    message: str | None = None
+    detail: str | None = None
+    exit_code: int | None = None
+    started: float | None = None
+    updated: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"{self.experiment}/{self.trial}"
+
+    @property
+    def live(self) -> bool:
+        return self.state in LIVE
+
 
 R = TypeVar("R")
 
@@ -24,9 +67,12 @@ class JobRecords(Generic[R]):
     def root(self, home: Path) -> Path:
         return home / self.scheduler / settings.user()
 
+    def trial_dir(self, home: Path, experiment: str, trial: str) -> Path:
+        """The trial's folder: its records and each start's run folder."""
+        return self.root(home) / experiment / trial
+
     def path(self, home: Path, experiment: str, trial: str, kind: str) -> Path:
-        slot = "serve" if kind == "serve" else "train"
-        return self.root(home) / experiment / trial / f"{slot}.json"
+        return self.trial_dir(home, experiment, trial) / f"{slot(kind)}.json"
 
     def write(self, home: Path, rec: R) -> None:
         rec.updated = time.time()

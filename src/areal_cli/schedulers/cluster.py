@@ -1,0 +1,456 @@
+"""What the schedulers whose jobs run on a cluster (Slurm, Ray) do the same way, in TorchX's
+manner: one ClusterScheduler plans and starts a job, finds, describes and lists jobs from their
+records, and asks a foreground one to stop. What differs is a small hook each (the planner's
+own arguments, how records are brought up to date, the replicas' rows in `areal ps`, the last
+stall of a job's watchdog), beside what is wholly a scheduler's own: cancel, logs, the doctor's
+reach of its nodes, its `doctor check` rows.
+
+A cluster scheduler is a package with three modules this base imports when it needs them:
+
+    planner.py  plan(spec, home, registry, check_packages=..., **options) → its Plan
+    job.py      submit(plan, home, world_size) → record; Watch(plan, rec, home, stop, ...)
+                with until_ready, until_end, close; refresh(recs, home)
+    records.py  its JobRecords' load, all_records, root (job_records.py)
+
+Below it, what those job modules share: the private plan file, the slot lock and the refusal
+of a second job in a slot, a runner's exit code, the replicas that ended, taking them out of
+discovery, following a job's logs, and leaving nothing of an ended job behind.
+
+Importing this module imports no scheduler's package: `areal ps` lists every one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from areal_cli import settings
+from areal_cli.errors import UsageError
+from areal_cli.schedulers.api import (
+    EventFn,
+    Handle,
+    JobStatus,
+    LineFn,
+    Request,
+    Scheduler,
+    ServerStatus,
+)
+
+
+class ClusterScheduler(Scheduler):
+    def __init__(self, home: Path | None = None, registry: str | None = None):
+        self.home = home or settings.home()
+        self.registry = registry
+        self._stop = threading.Event()
+        self._watch = None
+
+    def _module(self, name: str):
+        """Its package's planner, job or records module, imported now (not at `areal ps`)."""
+        return importlib.import_module(f"{type(self).__module__}.{name}")
+
+    # -- hooks ----------------------------------------------------------------------------
+
+    def _plan_options(self, spec) -> dict:
+        """What its planner takes beyond the spec, the home and the registry."""
+        return {}
+
+    def _submitted(self, rec, on_event: EventFn | None) -> None:
+        """Tell the command the job is submitted (what it is called on the cluster)."""
+        if on_event:
+            on_event("submitted", {"what": f"{self.label} job {rec.job_id}", "job_id": rec.job_id})
+
+    def _refresh(self, recs: list) -> None:
+        """Bring live records up to date with the cluster."""
+        self._module("job").refresh(recs, self.home)
+
+    def _replica_rows(
+        self, rec, entries: list, ended: dict, health: dict, paused: dict
+    ) -> tuple[list[ServerStatus], int]:
+        """The rows of a live job's replicas in `areal ps` (its registered servers, then the
+        ended ones), and how many replicas have shown up: fewer than the job's, it is still
+        starting."""
+        rows = [server_row(e, health, paused) for e in entries] + ended_rows(ended)
+        return rows, len(entries) + len(ended)
+
+    def _stall(self, rec) -> dict | None:
+        """The last stall the job's watchdog diagnosed (its verdict, bundle), if it keeps one."""
+        return None
+
+    # -- start ----------------------------------------------------------------------------
+
+    def dryrun(self, spec, check_packages: bool = False) -> Request:
+        plan = self._module("planner").plan(
+            spec, self.home, self.opened_registry(), check_packages=check_packages,
+            **self._plan_options(spec),
+        )  # fmt: skip
+        return Request(self.name, spec, plan)
+
+    def schedule(
+        self,
+        request: Request,
+        *,
+        detach: bool,
+        on_event: EventFn | None = None,
+        on_line: LineFn | None = None,
+        on_progress: Callable[[str], None] | None = None,
+    ) -> Handle:
+        job = self._module("job")
+        plan = request.plan
+        rec = job.submit(plan, self.home, request.spec.world_size)
+        handle = self._handle(rec)
+        self._submitted(rec, on_event)
+        watch = job.Watch(
+            plan, rec, self.home, self._stop, on_event,
+            on_line=None if detach else on_line, on_progress=on_progress,
+        )  # fmt: skip
+        self._watch = watch
+        try:
+            watch.until_ready()
+            if not detach:
+                watch.until_end()
+            return handle
+        except KeyboardInterrupt:
+            # Ctrl-C while a detached start waits means "never mind": the job goes too.
+            watch._cancel("interrupted while starting")
+            raise
+        finally:
+            watch.close()
+
+    def request_stop(self, signum: int = 2) -> None:
+        if self._watch is not None:
+            self._watch.stop_code = 128 + int(signum)
+        self._stop.set()
+
+    # -- what runs ------------------------------------------------------------------------
+
+    def _records(self, experiment: str, trial: str, kind: str | None, job_id: str | None):
+        recs = self._module("records").load(self.home, experiment, trial, kind)
+        return [r for r in recs if job_id in (None, r.job_id)]
+
+    def find(self, experiment: str, trial: str, kind: str | None = None) -> list[Handle]:
+        return [self._handle(r) for r in self._records(experiment, trial, kind, None)]
+
+    def describe(self, handle: Handle) -> JobStatus | None:
+        recs = self._records(handle.experiment, handle.trial, handle.kind, handle.job_id)
+        return self._statuses(recs[:1], include_ended=True)[0] if recs else None
+
+    def list(self, include_ended: bool = False) -> list[JobStatus]:
+        if not (self.home / self.name).is_dir():
+            return []  # never used from this home: nothing to import, nothing to ask
+        recs = self._module("records").all_records(self.home)
+        return self._statuses(recs, include_ended) if recs else []
+
+    def _statuses(self, recs: list, include_ended: bool) -> list[JobStatus]:
+        if any(r.live for r in recs):
+            self._refresh(recs)
+        return [self._status(r) for r in recs if include_ended or r.live]
+
+    def _status(self, rec) -> JobStatus:
+        servers: list[ServerStatus] = []
+        ranks_alive = world = None
+        state = rec.state
+        if rec.live:
+            entries, ranks, health, paused = _registered(rec)
+            ended = ended_replicas(rec)
+            gone = {addr for _, addr in ended.values()}
+            entries = [e for e in entries if e.addr not in gone]
+            servers, shown = self._replica_rows(rec, entries, ended, health, paused)
+            if state == "running" and shown < rec.replicas:
+                state = "starting"  # a replica neither registered nor ended yet
+            if rec.world_size:
+                ranks_alive, world = len(ranks), rec.world_size
+        return JobStatus(
+            handle=self._handle(rec),
+            state=state,
+            host=None,
+            nodes=rec.nodes,
+            pids=[],
+            servers=servers,
+            started=rec.submitted,
+            log_dir=rec.log_dir,
+            alloc=rec.alloc,
+            model=rec.model,
+            message=rec.message,
+            exit_code=rec.exit_code,
+            ranks_alive=ranks_alive,
+            world_size=world,
+            reason=rec.reason,
+            marker=rec.marker,
+            registry=rec.registry,
+            watchdog=self._stall(rec),
+        )
+
+    def _handle(self, rec) -> Handle:
+        return Handle(self.name, rec.experiment, rec.trial, rec.kind, rec.job_id)
+
+    def _record(self, handle: Handle):
+        recs = self._records(handle.experiment, handle.trial, handle.kind, handle.job_id)
+        if not recs:
+            root = self._module("records").root(self.home)
+            raise UsageError(f"no {self.label} job {handle.name} under {root}")
+        return recs[0]
+
+    # -- logs -----------------------------------------------------------------------------
+
+    def log_iter(
+        self,
+        handle: Handle,
+        role: str | None = None,
+        index: int | None = None,
+        follow: bool = False,
+        lines: int = 50,
+    ) -> Iterator[tuple[str, str]]:
+        """The job's log files on the shared filesystem; following ends when the job does."""
+        import time
+
+        from areal_cli import logfiles
+
+        rec = self._record(handle)
+        log_dir = Path(rec.log_dir)
+        if not logfiles.select_logs(log_dir, role, index) and not (follow and rec.live):
+            raise UsageError(
+                f"no log files for {rec.name}"
+                + (f" with role {role}" if role else "")
+                + f" in {rec.log_dir}",
+                hint="roles: " + ", ".join(logfiles.ROLES),
+            )
+        follower = logfiles.Follower(log_dir, role, index, history=lines)
+        checked = 0.0
+        while True:
+            got = False
+            for item in follower.poll():
+                got = True
+                yield item
+            if not follow:
+                return
+            if not got and time.monotonic() - checked > 1.0:
+                checked = time.monotonic()
+                self._statuses([rec], include_ended=True)
+                if not rec.live:
+                    yield from follower.poll()
+                    return
+            if not got:
+                time.sleep(0.2)
+
+
+def _registered(rec) -> tuple[list, list, dict[str, bool], dict[str, bool | None]]:
+    """A live job's servers and ranks in its registry (its marker's), whether each server
+    answers, and whether it is paused."""
+    from areal_cli.errors import ArealError
+    from areal_cli.registry import open_registry
+
+    try:
+        reg = open_registry(rec.registry)
+        entries = [e for e in reg.list(rec.experiment, rec.trial).servers
+                   if e.marker == rec.marker]  # fmt: skip
+        ranks = [r for r in reg.ranks(rec.experiment, rec.trial) if r.marker == rec.marker]
+    except (ArealError, OSError):
+        entries, ranks = [], []
+    health: dict[str, bool] = {}
+    paused: dict[str, bool | None] = {}
+    if entries:
+        from areal_cli import apikeys, control, discovery
+
+        held = apikeys.load(rec.api_key_file) if rec.api_key_file else None
+        key = held[1] if held and held[0] == rec.marker else None
+        if key:
+            # Anyone who writes the registry can copy an entry of ours: only those the job
+            # signed are its servers (and may be asked with its key).
+            entries = [e for e in entries if apikeys.unproven(key, e) is None]
+        health = discovery.healthy([e.addr for e in entries])
+        backend = (entries[0].backend if entries else None) or "sglang"
+        paused = control.paused_all([e.addr for e in entries], backend, key, 1.0)
+    return entries, ranks, health, paused
+
+
+def server_row(e, health: dict, paused: dict) -> ServerStatus:
+    """A registered server's row in `areal ps`."""
+    return ServerStatus(addr=e.addr, healthy=bool(health.get(e.addr)), pid=e.pid, gpus=e.gpus,
+                        node=e.node, paused=paused.get(e.addr) is True)  # fmt: skip
+
+
+def ended_rows(ended: dict[int, tuple[int, str | None]]) -> list[ServerStatus]:
+    """A replica whose runner ended while the job runs on is listed dead, with its code."""
+    return [ServerStatus(addr=addr or f"server-{i}", healthy=False, exit_code=code)
+            for i, (code, addr) in sorted(ended.items())]  # fmt: skip
+
+
+# -- what the job modules share ------------------------------------------------------------
+
+
+def private_file(path: Path, text: str) -> None:
+    """A file only its owner reads (the plan holds the API key), created afresh."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+class SlotLock:
+    """Held while a trial's serve or train slot is checked and its job started: two starts at
+    once, one refused. `jobs_dir`: the scheduler's folder of the trial; `verb`: "submitted",
+    "started"."""
+
+    def __init__(self, jobs_dir: Path, plan, verb: str):
+        from areal_cli.schedulers.job_records import slot
+
+        self.path = jobs_dir / f".{slot(plan.kind)}.lock"
+        self.plan, self.verb = plan, verb
+
+    def __enter__(self):
+        import fcntl
+
+        from areal_cli.schedulers.job_records import slot
+
+        settings.ensure_dir(self.path.parent)
+        self.f = open(self.path, "a+")  # noqa: SIM115 - the lock lives as long as the file
+        try:
+            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.f.close()
+            raise UsageError(
+                f"another {slot(self.plan.kind)} job of {self.plan.experiment}/"
+                f"{self.plan.trial} is being {self.verb} right now",
+                hint="see `areal ps`, or pick another --trial",
+            ) from None
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def clash(plan, kind: str) -> bool:
+    """Whether a live job of `kind` in the plan's trial takes the slot the plan needs (a
+    serving and a training job may share a trial; a second of the same kind may not)."""
+    from areal_cli.schedulers.job_records import slot
+
+    return slot(kind) == slot(plan.kind) or "serve+train" in (kind, plan.kind)
+
+
+def refusal(plan, kind: str, what: str) -> UsageError:
+    return UsageError(
+        f"job {plan.experiment}/{plan.trial} is already running ({kind}, {what})",
+        hint=f"stop it first (areal stop {plan.experiment}/{plan.trial}) or pick another --trial",
+    )
+
+
+def read_code(path: Path) -> int | None:
+    """The exit code a runner left in its `.exit` file, or None while it runs."""
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def reread(recs: list, records, home: Path) -> None:
+    """Each record as it is on disk now: another areal (a stop, a follower) may have written
+    it since it was read."""
+    for rec in recs:
+        fresh = records.read(records.path(home, rec.experiment, rec.trial, rec.kind))
+        if fresh is not None and fresh.job_id == rec.job_id:
+            rec.__dict__.update(fresh.__dict__)
+
+
+def ended_replicas(rec) -> dict[int, tuple[int, str | None]]:
+    """Replicas whose runner ended while the job runs on (a step cancelled, a crash): index →
+    (exit code, the address it had registered, if it had)."""
+    out = {}
+    run = Path(rec.run_dir)
+    for i in range(rec.replicas):
+        code = read_code(run / f"server-{i}.exit")
+        if code is None:
+            continue
+        out[i] = (code, ready_addr(rec, i))
+    return out
+
+
+def ready_addr(rec, index: int) -> str | None:
+    """The address replica `index` registered, from the file its runner left once ready."""
+    try:
+        return json.loads((Path(rec.run_dir) / f"server-{index}.ready").read_text())["addr"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def deregister_servers(rec, addrs: set[str]) -> int:
+    """Take the job's servers at `addrs` out of discovery (a replica killed with SIGKILL never
+    deregistered, and AReaL's reader would go on listing it). Returns the entries removed."""
+    from areal_cli.errors import ArealError
+    from areal_cli.registry import open_registry
+
+    gone = 0
+    try:
+        reg = open_registry(rec.registry)
+        for e in reg.list(rec.experiment, rec.trial, include_dead=True).servers:
+            if e.managed and e.marker == rec.marker and e.addr in addrs:
+                reg.deregister(rec.experiment, rec.trial, e.id, e.lease)
+                gone += 1
+    except (ArealError, OSError):
+        pass  # its lease or heartbeat runs out anyway
+    return gone
+
+
+def leave_nothing(rec, home: Path, records, plan_file: str, left: list[str] | None = None) -> int:
+    """An ended job: nothing of it stays in discovery, nothing of it runs on this host, what
+    its trainers left paused is resumed, the record says how it ended. Returns the registry
+    entries removed; what could not be removed is told in `left` (if given)."""
+    from areal_cli import procs
+    from areal_cli.errors import ArealError
+    from areal_cli.registry import open_registry
+
+    gone = 0
+    try:
+        gone = open_registry(rec.registry).deregister_job(rec.experiment, rec.trial, rec.marker)
+    except (ArealError, OSError) as e:
+        if left is not None:  # the entries' leases (or heartbeats) run out anyway
+            why = getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
+            left.append(f"the job's registry entries in {rec.registry} were not removed "
+                        f"({why}); they expire with their lease or heartbeat (the TTL)")  # fmt: skip
+    procs.kill_job(rec.marker, grace=3.0)  # a task the cluster lost track of, on this host
+    _resume_servers(rec, plan_file)
+    records.write(home, rec)
+    return gone
+
+
+def _resume_servers(rec, plan_file: str) -> None:
+    """What the job's trainers left paused (its plan says which servers they used)."""
+    if rec.kind == "serve":
+        return
+    from areal_cli.schedulers.common import resume_left_paused
+    from areal_cli.spec import Plan
+
+    try:
+        plan = Plan.from_json(json.loads((Path(rec.run_dir) / plan_file).read_text()))
+    except (OSError, ValueError, TypeError):
+        return
+    resume_left_paused(plan)
+
+
+def follow_logs(plan, on_line: LineFn, stop: threading.Event, trainer_roles: tuple[str, ...]):
+    """Feed the job's new log lines to `on_line` until `stop`: its own roles only (a training
+    job's terminal shows no serving job's lines), and of files that already exist only what the
+    job writes (it starts them afresh)."""
+    from areal_cli import logfiles
+
+    roles = (("server",) if plan.servers else ()) + (trainer_roles if plan.trainers else ())
+    follower = logfiles.Follower(Path(plan.log_dir), history=None, roles=roles)
+    for label, path in logfiles.select_logs(Path(plan.log_dir)).items():
+        try:
+            follower.offsets[label] = path.stat().st_size
+        except OSError:
+            pass
+
+    def loop() -> None:
+        while True:
+            stopping = stop.wait(0.05)
+            for label, line in follower.poll():
+                on_line(label, line)
+            if stopping:
+                return
+
+    t = threading.Thread(target=loop, name="log-follower", daemon=True)
+    t.start()
+    return t
