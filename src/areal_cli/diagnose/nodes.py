@@ -155,7 +155,7 @@ def _dump(d: dict) -> stacks.Dump:
 
 def _node_here() -> str | None:
     """The node its scheduler says this is (several may share one host), or None."""
-    return os.environ.get("AREAL_NODE_NAME") or os.environ.get("SLURMD_NODENAME")
+    return os.environ.get("AREAL_NODE_NAME")
 
 
 def _ranks_here(pids: list[int], marker: str | None) -> list[dict]:
@@ -170,7 +170,7 @@ def _ranks_here(pids: list[int], marker: str | None) -> list[dict]:
         for p in procs.find_marked(marker):
             try:
                 env = p.environ()
-                node = env.get("AREAL_NODE_NAME") or env.get("SLURMD_NODENAME")
+                node = env.get("AREAL_NODE_NAME")
             except Exception:
                 continue
             # Several nodes (slurmd, raylets) may share a host: only this node's ranks.

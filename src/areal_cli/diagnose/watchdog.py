@@ -395,7 +395,7 @@ def _node_looks(marker: str) -> dict:
     from areal_cli.diagnose import nodes
 
     ranks = nodes._ranks_here([], marker)
-    return {"node": os.environ.get("SLURMD_NODENAME") or os.environ.get("AREAL_NODE_NAME"),
+    return {"node": os.environ.get("AREAL_NODE_NAME"),
             "looks": {str(r["pid"]): list(look(r["pid"])) for r in ranks}}  # fmt: skip
 
 

@@ -4,18 +4,15 @@ the runners of one multi-node process (torchrun's rendezvous, a multi-node serve
 on the shared filesystem, the others read it there.
 
 A scheduler that knows the node tells its runners in AREAL_NODE_NAME, AREAL_NODE_ADDR and
-AREAL_NODE_INDEX (Ray: the node's IP; several Ray nodes may share one host and its hostname).
-Under Slurm the node is SLURMD_NODENAME (several slurmd may share one host too) and its
-address is Slurm's NodeAddr; elsewhere the hostname and its address.
+AREAL_NODE_INDEX (Ray: the node's IP; Slurm: SLURMD_NODENAME and its NodeAddr, set by
+schedulers/slurm/step.py; several nodes of either may share one host and its hostname);
+elsewhere the hostname and its address.
 """
 
 from __future__ import annotations
 
 import os
-import re
-import shutil
 import socket
-import subprocess
 import time
 from pathlib import Path
 
@@ -23,38 +20,22 @@ NODE_ADDR = "{node_addr}"  # in a plan's host and argv: this node's address, fou
 
 
 def name() -> str:
-    return (
-        os.environ.get("AREAL_NODE_NAME")
-        or os.environ.get("SLURMD_NODENAME")
-        or socket.gethostname()
-    )
+    return os.environ.get("AREAL_NODE_NAME") or socket.gethostname()
 
 
 def index() -> int:
     """This node's place among the nodes of its job step (0 is the first)."""
     try:
-        return int(os.environ.get("AREAL_NODE_INDEX") or os.environ.get("SLURM_NODEID", "0"))
+        return int(os.environ.get("AREAL_NODE_INDEX") or "0")
     except ValueError:
         return 0
 
 
 def address() -> str:
-    """The IPv4 address other nodes reach this one by: Slurm's NodeAddr for it, else the
+    """The IPv4 address other nodes reach this one by: the one its scheduler names, else the
     hostname's address when that is not loopback, else the first non-loopback address."""
     if os.environ.get("AREAL_NODE_ADDR"):
         return os.environ["AREAL_NODE_ADDR"]
-    node = os.environ.get("SLURMD_NODENAME")
-    if node and shutil.which("scontrol"):
-        try:
-            res = subprocess.run(
-                ["scontrol", "show", "node", node, "-o"],
-                capture_output=True, text=True, timeout=10, check=False,
-            )  # fmt: skip
-            m = re.search(r"\bNodeAddr=(\S+)", res.stdout)
-            if m:
-                return _ipv4(m.group(1)) or m.group(1)
-        except (OSError, subprocess.TimeoutExpired):
-            pass
     here = _ipv4(socket.gethostname())
     if here and not here.startswith("127."):
         return here

@@ -94,8 +94,6 @@ class Replica:
         # O_APPEND: our lines and the server's interleave whole, never overwrite each other.
         self._log = fresh_log(p["log_path"])
         env = {**os.environ, **p["env"]}
-        if p["env"].get("CUDA_VISIBLE_DEVICES") == "" and "SLURM_JOB_ID" not in os.environ:
-            env["CUDA_VISIBLE_DEVICES"] = ""
         # Found by teardown even when this runner is gone (see replica_processes).
         env[REPLICA_ENV] = str(p["index"])
         cpus = [int(c) for c in p.get("cpus") or ()]
@@ -216,7 +214,7 @@ class Replica:
             job=f"{plan['experiment']}/{plan['trial']}",
             marker=plan["marker"],
             scheduler=plan.get("scheduler", "local"),
-            scheduler_job_id=os.environ.get("AREAL_SCHEDULER_JOB_ID") or _slurm_step(),
+            scheduler_job_id=os.environ.get("AREAL_SCHEDULER_JOB_ID"),
             node=node.name(),
         )
         return self._publish("registered")
@@ -389,19 +387,13 @@ def _expand(arg: str, tokens: dict[str, str]) -> str:
 
 
 def _step_gpus() -> list[int]:
-    """The GPUs its scheduler bound to this step (their indices on the node): Slurm's, or
-    those a scheduler that sets them itself (Ray) put in CUDA_VISIBLE_DEVICES."""
-    raw = os.environ.get("SLURM_STEP_GPUS") or os.environ.get("SLURM_JOB_GPUS") or ""
+    """The GPUs its scheduler bound to this step (their indices on the node): those it names
+    in AREAL_STEP_GPUS (Slurm's), or, from a scheduler that sets them itself (Ray), those in
+    CUDA_VISIBLE_DEVICES."""
+    raw = os.environ.get("AREAL_STEP_GPUS", "")
     if not raw and os.environ.get("AREAL_SCHEDULER_JOB_ID"):
         raw = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     return [int(g) for g in raw.split(",") if g.strip().isdigit()]
-
-
-def _slurm_step() -> str | None:
-    """JOB.STEP of the Slurm step this runs in, or None outside Slurm."""
-    job = os.environ.get("SLURM_JOB_ID")
-    step = os.environ.get("SLURM_STEP_ID")
-    return f"{job}.{step}" if job and step else job
 
 
 def _advertised_host(host: str) -> str:

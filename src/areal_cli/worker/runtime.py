@@ -285,14 +285,10 @@ def _register_rank(experiment: str, trial: str, rank: int, local_rank: int, worl
             pid_create_time=procs.create_time(os.getpid()), job=f"{experiment}/{trial}",
             marker=os.environ.get(procs.MARKER_ENV),
             scheduler=os.environ.get("AREAL_SCHEDULER_NAME", "local"),
-            # What the scheduler told the job's processes (Ray: AREAL_SCHEDULER_JOB_ID and the
-            # node's IP; Slurm: its job and node names).
-            scheduler_job_id=(
-                os.environ.get("AREAL_SCHEDULER_JOB_ID") or os.environ.get("SLURM_JOB_ID")
-            ),
+            # What the scheduler told the job's processes (launchers/node.py).
+            scheduler_job_id=os.environ.get("AREAL_SCHEDULER_JOB_ID"),
             node=(
                 os.environ.get("AREAL_NODE_NAME")
-                or os.environ.get("SLURMD_NODENAME")
                 or settings.hostname()
             ),
         )  # fmt: skip

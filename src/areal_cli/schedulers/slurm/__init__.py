@@ -259,8 +259,10 @@ class SlurmScheduler(Scheduler):
         groups = _het_groups(job_id)
 
         def one(node: str) -> tuple[str | None, str | None]:
+            # The node's name in areal's terms, as its steps have it (slurm/step.py).
             argv = ["srun", "--overlap", f"--jobid={job_id}", "-w", node, "--nodes=1",
-                    "--ntasks=1", "--quiet", *commands[node]]  # fmt: skip
+                    "--ntasks=1", "--quiet", f"--export=ALL,AREAL_NODE_NAME={node}",
+                    *commands[node]]  # fmt: skip
             if node in groups:
                 argv.insert(3, f"--het-group={groups[node]}")
             try:

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 PLAN_FILE = "plan.json"
 TRAINER_ENV_FILE = "trainer.env"
 RENDEZVOUS_FILE = "rendezvous"
+# Each step's runner learns its job and node in areal's names (schedulers/slurm/step.py).
+_IN_STEP = ["$PY", "-m", "areal_cli.schedulers.slurm.step"]
 
 
 def supervisor_log(plan: SlurmPlan) -> str:
@@ -75,10 +77,10 @@ def render(plan: SlurmPlan) -> str:
         lines += _step(
             f"server-{p.index}",
             _srun(p, het, exact=True),
-            ["$PY", "-m", "areal_cli.launchers.replica", f"$RUN/{PLAN_FILE}", "--index", str(p.index)],
+            [*_IN_STEP, "step", "areal_cli.launchers.replica", f"$RUN/{PLAN_FILE}", "--index", str(p.index)],
         )  # fmt: skip
     for p in trainers:
-        runner = ["$PY", "-m", "areal_cli.launchers.torchrun", "--log-dir", plan.log_dir]
+        runner = [*_IN_STEP, "job", "areal_cli.launchers.torchrun", "--log-dir", plan.log_dir]
         runner += ["--own-log", "torchrun-{node}.log", "--env-file", f"$RUN/{TRAINER_ENV_FILE}"]
         if p.nodes > 1:
             runner += ["--rendezvous-file", f"$RUN/{RENDEZVOUS_FILE}"]
