@@ -202,7 +202,15 @@ class RayScheduler(Scheduler):
             reason=rec.reason,
             marker=rec.marker,
             registry=rec.registry,
+            watchdog=self._stall(rec),
         )
+
+    def _stall(self, rec) -> dict | None:
+        """The last stall the job's watchdog diagnosed (it runs in the job's first training
+        actor, schedulers/ray/watch.py)."""
+        from areal_cli.schedulers.ray.watch import read_stall
+
+        return read_stall(rec.run_dir) if rec.kind != "serve" else None
 
     def _handle(self, rec) -> Handle:
         return Handle(self.name, rec.experiment, rec.trial, rec.kind, rec.job_id)
@@ -230,47 +238,16 @@ class RayScheduler(Scheduler):
         self, job_id: str, commands: dict[str, list[str]], timeout: float
     ) -> dict[str, tuple[str | None, str | None]]:
         """node → (stdout, why not) of a short command (the doctor's sampler) run on each
-        named node of the job at once, by the job's own actor there: no worker to start,
-        and it sees what the job's processes see."""
-        import ray
-
-        from areal_cli.schedulers.ray import cluster, records
+        named node of the job at once, by the job's own actor there: no worker to start, and
+        an areal module (`python -m areal_cli.X ...`) runs inside the actor, no process to
+        start either (actor.run_module); it sees what the job's processes see."""
+        from areal_cli.schedulers.ray import cluster, job, records
 
         recs = [r for r in records.all_records(self.home) if r.job_id == job_id]
         if not recs:
             raise UsageError(f"no Ray job {job_id} under {records.root(self.home)}")
-        rec = recs[0]
-        cluster.connect(rec.address)
-        by_ip: dict[str, str] = {}
-        for name, st in cluster.actor_states(rec.actors).items():
-            if st.state == "ALIVE" and st.node_ip:
-                by_ip.setdefault(st.node_ip, name)
-        out: dict[str, tuple[str | None, str | None]] = {}
-        refs = {}
-        for node, argv in commands.items():
-            name = by_ip.get(node)
-            if name is None:
-                out[node] = (None, f"node {node} cannot be reached: no live actor of Ray job "
-                                   f"{job_id} there")  # fmt: skip
-                continue
-            actor = ray.get_actor(name, namespace=cluster.NAMESPACE)
-            refs[node] = actor.run.remote(argv, timeout)
-        ready, _ = cluster.wait_refs(list(refs.values()), timeout + 10.0)
-        for node, ref in refs.items():
-            if ref not in ready:
-                out[node] = (None, f"no answer from node {node} within {timeout + 10:g}s")
-                continue
-            try:
-                code, stdout, stderr = ray.get(ref)
-            except Exception as e:
-                out[node] = (None, f"node {node} cannot be reached: {type(e).__name__}: {e}")
-                continue
-            if stdout.strip():
-                out[node] = (stdout, None)
-            else:
-                last = (stderr.strip().splitlines() or [f"exit code {code}"])[-1]
-                out[node] = (None, f"node {node}: the sampler failed: {last}")
-        return out
+        cluster.connect(recs[0].address)
+        return job.run_by_actors(recs[0].actors, job_id, commands, timeout)
 
     # -- logs, stop -----------------------------------------------------------------------
 

@@ -12,10 +12,16 @@ What Ray does and this makes up for (measured with ray 2.60):
   sweep() end them by it on this node.
 - the runner's exit code is left in the run folder (`<label>.exit`), as Slurm's steps do,
   so it is known even when nobody was connected to hear it.
+- a fresh Python process on a node costs a second or more (interpreter, imports), most of
+  `areal doctor hang` on a Ray job when each node's sampler was one: a command
+  `python -m areal_cli.MODULE ARGS` runs inside this actor instead (run_module), its
+  `node_main(ARGS)` (or the module as __main__) with its output captured, the argv
+  contract unchanged, so every node-side module of the doctor is reached the same way.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -33,6 +39,7 @@ class Step:
         self.proc: subprocess.Popen | None = None
         self.code: int | None = None
         self._waiter: threading.Thread | None = None
+        self._dog = None  # the job's watchdog, in the first training node's actor
         if argv:
             # Started as soon as it is placed: no round trip between placing and starting.
             self.start(argv, env or {})
@@ -101,6 +108,14 @@ class Step:
         self._waiter.start()
         return proc.pid
 
+    def watch(self, nodes: int) -> bool:
+        """Start the job's watchdog here (schedulers/ray/watch.py); False when it has none."""
+        from areal_cli.schedulers.ray import watch
+
+        if self._dog is None:
+            self._dog = watch.start(self.run_dir, lambda: watch.stop_trainers(self.marker, nodes))
+        return self._dog is not None
+
     def poll(self) -> int | None:
         if self._waiter is not None and not self._waiter.is_alive():
             return self.code
@@ -109,6 +124,9 @@ class Step:
     def stop(self, grace: float = 10.0, sweep_node: bool = True) -> int | None:
         """SIGTERM the runner (it deregisters its server, torchrun stops its ranks), SIGKILL
         after `grace`, then whatever of the job is left on this node."""
+        if self._dog is not None:
+            # Not joined: a watchdog whose verdict is stopping the job waits on this call.
+            self._dog.stop.set()
         proc = self.proc
         if proc is not None and proc.poll() is None:
             try:
@@ -129,7 +147,13 @@ class Step:
         return self.code
 
     def run(self, argv: list[str], timeout: float) -> tuple[int, str, str]:
-        """A short command on this node (the doctor's sampler), its output back."""
+        """A short command on this node (the doctor's sampler), its output back: an areal
+        module in this process (see run_module), anything else as a process of its own."""
+        module = areal_module(argv)
+        if module is not None:
+            if self.marker:
+                _adopt_node_env(self._node_env())
+            return run_module(module, argv[3:], timeout)
         argv = [sys.executable if a == "{python}" else a for a in argv]
         env = {**os.environ, **(self._node_env() if self.marker else {})}
         try:
@@ -154,3 +178,109 @@ def sweep(marker: str, index: int | None = None, grace: float = 3.0) -> int:
 
 def run_on_node(argv: list[str], timeout: float) -> tuple[int, str, str]:
     return Step("run", "", "").run(argv, timeout)
+
+
+# -- areal's node-side modules, run in this process ---------------------------------------------
+
+
+def areal_module(argv: list[str]) -> str | None:
+    """The module of `PYTHON -m areal_cli.X ...` (PYTHON: "{python}" or any python binary,
+    which here is this node's own interpreter), else None."""
+    if len(argv) < 3 or argv[1] != "-m" or not argv[2].startswith("areal_cli."):
+        return None
+    exe = os.path.basename(argv[0])
+    return argv[2] if argv[0] == "{python}" or exe.startswith("python") else None
+
+
+def _adopt_node_env(node: dict[str, str]) -> None:
+    """What a node-side module reads to know its node and job (AREAL_NODE_NAME: several
+    Ray nodes may share a host), as a process started here would have it. Not the GPUs:
+    Ray set this process's CUDA_VISIBLE_DEVICES itself."""
+    for k, v in node.items():
+        if k.startswith("AREAL_") and os.environ.get(k) != v:
+            os.environ[k] = v
+
+
+class _PerThread:
+    """sys.stdout/sys.stderr of this process: what a thread bound to a buffer writes goes
+    there, everything else (Ray's own output) where it went before. Several modules may
+    run at once (the actor takes concurrent calls), so no global swap. Anything else
+    (fileno, isatty, encoding) is the stream's own."""
+
+    def __init__(self, base, which: int):
+        self.base, self.which = base, which
+
+    def write(self, text: str) -> int:
+        bound = getattr(_bound, "streams", None)
+        return (bound[self.which] if bound else self.base).write(text)
+
+    def flush(self) -> None:
+        if getattr(_bound, "streams", None) is None:
+            self.base.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+
+_bound = threading.local()
+_install_lock = threading.Lock()
+_argv_lock = threading.Lock()  # a module run as __main__ reads the one sys.argv
+
+
+def _install() -> None:
+    with _install_lock:
+        if not isinstance(sys.stdout, _PerThread):
+            sys.stdout = _PerThread(sys.stdout, 0)
+        if not isinstance(sys.stderr, _PerThread):
+            sys.stderr = _PerThread(sys.stderr, 1)
+
+
+def run_module(module: str, args: list[str], timeout: float) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `python -m MODULE ARGS` run in this process: its
+    `node_main(ARGS)` when it has one, else the module as __main__ with sys.argv set. The
+    imports it needs stay loaded for the next call. Past `timeout` it is left to finish in
+    its thread (a thread cannot be killed) and the caller is told so."""
+    _install()
+    done: list[tuple[int, str, str]] = []
+
+    def call() -> None:
+        import importlib
+        import traceback
+
+        out, err = io.StringIO(), io.StringIO()
+        _bound.streams = (out, err)
+        code: object = 0
+        try:
+            mod = importlib.import_module(module)
+            entry = getattr(mod, "node_main", None)
+            if callable(entry):
+                code = entry(list(args))
+            else:
+                import runpy
+
+                with _argv_lock:
+                    saved, sys.argv = sys.argv, [module, *args]
+                    try:
+                        runpy.run_module(module, run_name="__main__", alter_sys=False)
+                    finally:
+                        sys.argv = saved
+        except SystemExit as e:
+            code = e.code
+        except BaseException:
+            err.write(traceback.format_exc())
+            code = 1
+        finally:
+            _bound.streams = None
+        if code is None:
+            code = 0
+        elif not isinstance(code, int):
+            err.write(f"{code}\n")
+            code = 1
+        done.append((code, out.getvalue(), err.getvalue()))
+
+    t = threading.Thread(target=call, name=f"areal-{module}", daemon=True)
+    t.start()
+    t.join(timeout)
+    if not done:
+        return 124, "", f"no answer within {timeout:g}s"
+    return done[0]

@@ -13,6 +13,7 @@ never writes one, and says so when the cluster refuses it.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -86,7 +87,19 @@ def connect(option: str | None = None) -> str:
         if done[0] is not None:
             raise _connect_error(addr, done[0]) from None
         _connected = addr
+        # Runs before Ray's own exit hook (registered when ray was imported): that one
+        # sleeps 0.5 s first for a driver's worker logs to print, and areal takes none.
+        atexit.register(_disconnect)
         return addr
+
+
+def _disconnect() -> None:
+    import ray
+
+    try:
+        ray.shutdown()
+    except Exception:
+        pass
 
 
 def _preflight(addr: str) -> None:

@@ -276,6 +276,7 @@ def refresh(recs: list[RayRecord], home: Path) -> None:
             rec.message = rec.message or (
                 "; ".join(f"{lb} ended ({describe_exit(c)})" for lb, c in bad.items()) or "ended"
             )
+            _failed_by_watchdog(rec)
             teardown(rec, home, grace=2.0)
             finish(rec, home)
         else:
@@ -300,6 +301,17 @@ def _ready(rec: RayRecord, i: int) -> dict:
         return json.loads((Path(rec.run_dir) / f"server-{i}.ready").read_text())
     except (OSError, ValueError):
         return {}
+
+
+def _failed_by_watchdog(rec: RayRecord) -> dict | None:
+    """--watchdog-action fail ended the job: that stall is why, not torchrun's exit code."""
+    from areal_cli.schedulers.ray import watch
+
+    stalled = watch.failed_by_watchdog(rec.run_dir) if rec.kind != "serve" else None
+    if stalled is not None:
+        rec.state, rec.exit_code = "failed", 1
+        rec.message = f"watchdog: {watch.headline(stalled)}"
+    return stalled
 
 
 def reap_replica(rec: RayRecord, index: int) -> None:
@@ -344,6 +356,50 @@ def _on_nodes(node_ids: list[str], what: str, *args, timeout: float = 30.0) -> d
                 out[nid] = ray.get(ref)
             except Exception as e:
                 out[nid] = e
+    return out
+
+
+def run_by_actors(
+    actors: list[str], job_id: str, commands: dict[str, list[str]], timeout: float
+) -> dict[str, tuple[str | None, str | None]]:
+    """node → (stdout, why not) of each node's command, run by a live actor of the job on that
+    node (Step.run), all at once; from a driver (`areal doctor`) or from inside the job (its
+    watchdog, in an actor)."""
+    import ray
+
+    by_ip: dict[str, str] = {}
+    for name, st in cluster.actor_states(actors).items():
+        if st.state == "ALIVE" and st.node_ip:
+            by_ip.setdefault(st.node_ip, name)
+    out: dict[str, tuple[str | None, str | None]] = {}
+    refs = {}
+    for node, argv in commands.items():
+        name = by_ip.get(node)
+        if name is None:
+            out[node] = (None, f"node {node} cannot be reached: no live actor of Ray job "
+                               f"{job_id} there")  # fmt: skip
+            continue
+        try:
+            actor = ray.get_actor(name, namespace=cluster.NAMESPACE)
+        except ValueError:
+            out[node] = (None, f"node {node} cannot be reached: its actor {name} is gone")
+            continue
+        refs[node] = actor.run.remote(argv, timeout)
+    ready, _ = cluster.wait_refs(list(refs.values()), timeout + 10.0)
+    for node, ref in refs.items():
+        if ref not in ready:
+            out[node] = (None, f"no answer from node {node} within {timeout + 10:g}s")
+            continue
+        try:
+            code, stdout, stderr = ray.get(ref)
+        except Exception as e:
+            out[node] = (None, f"node {node} cannot be reached: {type(e).__name__}: {e}")
+            continue
+        if stdout.strip():
+            out[node] = (stdout, None)
+        else:
+            last = (stderr.strip().splitlines() or [f"exit code {code}"])[-1]
+            out[node] = (None, f"node {node}: the command failed: {last}")
     return out
 
 
@@ -429,7 +485,9 @@ def cancel(rec: RayRecord, home: Path, timeout: float, reason: str) -> None:
 
 
 def _follow(plan: RayPlan, on_line, stop: threading.Event) -> threading.Thread:
-    roles = (("server",) if plan.servers else ()) + (("rank", "torchrun") if plan.trainers else ())
+    roles = (("server",) if plan.servers else ()) + (
+        ("rank", "torchrun", "watchdog") if plan.trainers else ()
+    )
     follower = logfiles.Follower(Path(plan.log_dir), history=None, roles=roles)
     for label, path in logfiles.select_logs(Path(plan.log_dir)).items():
         try:
@@ -485,6 +543,9 @@ class Watch:
         starts = [self.actors[lb].start.remote(runner_argv(self.plan, lb, endpoint), env)
                   for lb in trainers]  # fmt: skip
         ray.get(starts, timeout=60)
+        if trainers and self.plan.watchdog > 0:
+            # In the job, not in this areal: a detached or orphaned job is watched too.
+            ray.get(self.actors["torchrun-0"].watch.remote(len(trainers)), timeout=60)
         self.rec.state = "starting" if self.plan.servers else "running"
         records.write(self.home, self.rec)
         nodes = sorted({w["ip"] for w in self.where.values()})
@@ -689,7 +750,17 @@ class Watch:
         code = self.rec.exit_code
         try:
             teardown(self.rec, self.home, grace=5.0)
+            stalled = _failed_by_watchdog(self.rec) if bad else None
+            if stalled is not None:
+                self.on_event("trainer_exit", {"label": "torchrun", "code": 1})
+                raise LaunchError(
+                    self.rec.message,
+                    detail=f"no rank progressed for {stalled.get('seconds', 0):g}s",
+                    hint=f"the stacks, flight recorder dumps and last log lines: "
+                    f"{stalled.get('bundle')}",
+                )
             self.on_event("trainer_exit", {"label": "torchrun", "code": code})
+
             if not bad:
                 self.rec.message = "ended"
                 return 0

@@ -127,6 +127,8 @@ def plan(spec: JobSpec, home: Path, registry: Registry | str, address: str,
         job_id=marker[-8:],
         with_gpus=with_gpus,
         nodes_seen=[n.describe() for n in nodes],
+        watchdog=spec.watchdog if spec.trainer else 0.0,
+        watchdog_action=spec.watchdog_action,
     )
     if spec.servers:
         _plan_servers(p, spec, check_packages)
