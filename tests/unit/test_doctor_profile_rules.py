@@ -75,3 +75,40 @@ def test_a_rank_arms_the_check_only_for_a_step_to_come():
         assert not consistency.armed()
     finally:
         consistency._ARMED.clear()
+
+
+def _main_thread_at(step: int):
+    import threading
+
+    t = threading.Thread(target=consistency.at_step, args=(step,), daemon=True)
+    t.start()
+    return t
+
+
+def test_a_rank_at_an_armed_step_waits_for_the_decision_and_runs_only_on_commit():
+    channel.report_progress(5)
+    consistency.watch(object())
+    try:
+        # Cancelled while the rank waits at the step: it goes on without the check.
+        assert channel.HANDLERS["diverge_arm"]({"step": 6})["armed"] is True
+        waiting = _main_thread_at(6)
+        waiting.join(0.3)
+        assert waiting.is_alive()  # neither ran nor went past before the decision
+        assert channel.HANDLERS["diverge_cancel"]({"step": 6}) == {"cancelled": True}
+        waiting.join(5)
+        assert not waiting.is_alive() and not consistency.armed()
+        # Committed: the waiting rank runs the check (one process, no group: all agree).
+        assert channel.HANDLERS["diverge_arm"]({"step": 7})["armed"] is True
+        waiting = _main_thread_at(7)
+        waiting.join(0.3)
+        assert waiting.is_alive()
+        assert channel.HANDLERS["diverge_commit"]({"step": 7})["committed"] is True
+        got = channel.HANDLERS["diverge_result"]({"step": 7, "wait": 120})  # torch's import
+        assert got["done"] is True and got["report"]["ok"] is True
+        # A committed step cannot be cancelled any more (a rank may be inside the check).
+        channel.HANDLERS["diverge_arm"]({"step": 9})
+        channel.HANDLERS["diverge_commit"]({"step": 9})
+        assert channel.HANDLERS["diverge_cancel"]({"step": 9}) == {"cancelled": False}
+    finally:
+        consistency._ARMED.clear()
+        consistency._TARGETS.clear()

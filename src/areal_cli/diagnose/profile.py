@@ -314,7 +314,10 @@ def straggler(ranks: list[RankProfile]) -> dict | None:
 
 def job_servers(job: Job) -> list[int]:
     """Pids of the inference servers on this host that the job's ranks were given
-    (AREAL_LLM_SERVER_ADDRS), from the registry the ranks use. Empty when none is known."""
+    (AREAL_LLM_SERVER_ADDRS), from the registry the ranks use. Empty when none is known, and
+    for a cluster job, whose rank pids are their nodes' and mean nothing here."""
+    if job.scheduler_job_id:
+        return []
     from areal_cli import procs, settings
     from areal_cli.registry import open_registry
 
