@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -259,7 +260,25 @@ def test_doctor_hang_samples_both_ray_nodes_at_once(ray_cluster, areal_env):
             assert time.monotonic() < deadline, "the ranks did not register"
             time.sleep(0.5)
         time.sleep(2)  # past start-up: the ranks sit in the hang
-        res = areal("doctor", "hang", "--job", "default/trial0", "--json", check=0, timeout=180)
+        # Each node's sampler runs inside the job's actor there: no Python process started.
+        samplers: set[int] = set()
+        looking = threading.Event()
+
+        def watch_for_samplers() -> None:
+            while not looking.wait(0.05):
+                for p in psutil.process_iter(["cmdline"]):
+                    if "areal_cli.diagnose.nodes" in (p.info["cmdline"] or []):
+                        samplers.add(p.pid)
+
+        watcher = threading.Thread(target=watch_for_samplers, daemon=True)
+        watcher.start()
+        try:
+            res = areal("doctor", "hang", "--job", "default/trial0", "--json", check=0,
+                        timeout=180)  # fmt: skip
+        finally:
+            looking.set()
+            watcher.join()
+        assert not samplers
         out = json.loads(res.stdout)
         assert out["verdict"]["kind"] == "mismatched_collective", out["verdict"]
         assert out["verdict"]["odd_ranks"] == [3]

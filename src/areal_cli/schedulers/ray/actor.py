@@ -257,8 +257,12 @@ def run_module(module: str, args: list[str], timeout: float) -> tuple[int, str, 
                 code = entry(list(args))
             else:
                 import runpy
+                import warnings
 
-                with _argv_lock:
+                with _argv_lock, warnings.catch_warnings():
+                    # Imported above to look for node_main: runpy's warning about that says
+                    # nothing here (the module's body runs again, as __main__).
+                    warnings.simplefilter("ignore", RuntimeWarning)
                     saved, sys.argv = sys.argv, [module, *args]
                     try:
                         runpy.run_module(module, run_name="__main__", alter_sys=False)
