@@ -220,6 +220,57 @@ def _cluster_processes(root: Path) -> list[psutil.Process]:
     return [p for p in found.values() if p.pid != os.getpid()]
 
 
+def node_processes(cluster: RayCluster, ip: str) -> list[psutil.Process]:
+    """One node of the cluster as a crash would take it: its daemons (its raylet names its
+    address, the others its session folder) and everything under them, its workers and what
+    they started (a job's runners, torchrun, ranks)."""
+    sessions = []
+    for p in _cluster_processes(cluster.root):
+        try:
+            argv = p.cmdline()
+        except psutil.Error:
+            continue
+        if argv and argv[0].endswith("raylet") and f"--node_ip_address={ip}" in argv:
+            sessions += [a.split("=", 1)[1] for a in argv if a.startswith("--session_dir=")]
+    found: dict[int, psutil.Process] = {}
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or ())
+        if sessions and any(s in cmd for s in sessions):
+            found[p.pid] = p
+    for p in list(found.values()):
+        try:
+            for c in p.children(recursive=True):
+                found.setdefault(c.pid, c)
+        except psutil.Error:
+            continue
+    return list(found.values())
+
+
+def kill_node(cluster: RayCluster, ip: str = WORKER_IP) -> int:
+    """SIGKILL every process of one node at once, as if its host had crashed. Returns how
+    many there were."""
+    procs = node_processes(cluster, ip)
+    if not procs:
+        raise RuntimeError(f"no Ray node at {ip} in {cluster.root}")
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+    return len(procs)
+
+
+def restart_worker(cluster: RayCluster, ip: str = WORKER_IP) -> None:
+    """A worker node at `ip` again (after kill_node), in a temp folder of its own: the
+    cluster has its two nodes again for the tests that follow."""
+    env = _daemon_env(cluster.root, cluster.token_file)
+    temp = Path(tempfile.mkdtemp(prefix="w", dir=cluster.root))
+    _ray_start(["--address", cluster.address, *_node_args(ip, temp)], env,
+               cluster.root / "worker.log")  # fmt: skip
+    _wait_nodes(cluster, env, 2)
+
+
 def stop_ray_cluster(cluster: RayCluster, grace: float = 5.0) -> None:
     if not cluster.owned:
         return

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -217,7 +218,9 @@ def actor_states(names: list[str]) -> dict[str, ActorState]:
             continue
         st = ActorState(name, info.get("State", "?"), (info.get("Address") or {}).get("IPAddress"))
         if st.state == "DEAD":
-            st.death = _death(info.get("DeathCause"))
+            st.death = _death(info.get("DeathCause")) or "dead"
+            if st.node_ip:
+                st.death += f" (node {st.node_ip})"
         prev = out.get(name)
         # A name is reused only after its actor died: the live one is the one that counts.
         if prev is None or prev.state == "DEAD":
@@ -226,13 +229,18 @@ def actor_states(names: list[str]) -> dict[str, ActorState]:
 
 
 def _death(cause) -> str | None:
+    """Ray's words on an actor's death, on one line: its message is a protobuf text field,
+    escapes and all, and names the node by an id nobody can look up."""
     if not cause:
         return None
     text = str(cause)
     for key in ("error_message:", "error_message :"):
         if key in text:
             msg = text.split(key, 1)[1].strip().splitlines()[0].strip().strip('"')
-            return msg.replace("\\'", "'")
+            msg = msg.replace("\\'", "'")
+            parts = [x.strip() for x in re.split(r"\\[nt]", msg) if x.strip()]
+            parts = [re.sub(r"\s*Node Id: [0-9a-f]+\.?", "", x).rstrip(". ") for x in parts]
+            return "; ".join(x for x in parts if x)
     return text.splitlines()[0][:200]
 
 
