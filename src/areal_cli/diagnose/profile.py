@@ -60,6 +60,8 @@ class ProfileReport:
     ranks: list[RankProfile]
     straggler: dict | None
     wall_s: float = 0.0
+    # A cluster job: nodes_s until every node answered, node_s each node's own time.
+    timing: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -78,9 +80,10 @@ def record(
     t0 = time.monotonic()
     out = Path(out_dir)
     output_dir(out)
+    timing: dict = {}
     if job.scheduler_job_id:
-        targets = _record_on_nodes(job, out, duration=duration, rate=rate, native=native,
-                                   on_progress=on_progress)  # fmt: skip
+        targets, timing = _record_on_nodes(job, out, duration=duration, rate=rate,
+                                           native=native, on_progress=on_progress)  # fmt: skip
     else:
         stacks.require_pyspy()
         targets = [
@@ -95,6 +98,7 @@ def record(
     ranks = [t for t in targets if t.role == "rank"]
     rep = ProfileReport(job.name or job.label, duration, rate, native, targets, straggler(ranks))
     rep.wall_s = round(time.monotonic() - t0, 3)
+    rep.timing = timing
     (out / "summary.json").write_text(json.dumps(rep.to_json(), indent=1))
     return rep
 
@@ -175,7 +179,7 @@ def finish(t: RankProfile, path: Path, rate: int) -> None:
 def _record_on_nodes(
     job: Job, out: Path, *, duration: float, rate: int, native: bool,
     on_progress: Callable[[float], None] | None,
-) -> list[RankProfile]:  # fmt: skip
+) -> tuple[list[RankProfile], dict]:  # fmt: skip
     """A cluster job: py-spy on every node at once (diagnose.remote), its files brought back
     and written under `out` as rankN-NODE.*; a node that gives none is an error per rank."""
     import threading
@@ -196,6 +200,7 @@ def _record_on_nodes(
         if on_progress is not None:
             on_progress(min(duration, max(0.0, time.monotonic() - t0 - 1.0)))
         worker.join(0.1)
+    reached_s = time.monotonic() - t0
     targets: list[RankProfile] = []
     known = {(r.node, r.pid): r for r in job.ranks}
     for node, (data, why) in got.items():
@@ -215,7 +220,10 @@ def _record_on_nodes(
             if n == node and (n, pid) not in seen:
                 targets.append(RankProfile(r.rank, pid, node=node,
                                            error=why or "the process exited"))  # fmt: skip
-    return sorted(targets, key=lambda t: (t.rank if t.rank is not None else 1 << 30, t.pid))
+    timing = {"nodes_s": round(reached_s, 3),
+              "node_s": {n: (d or {}).get("took_s") for n, (d, _w) in got.items()}}  # fmt: skip
+    order = sorted(targets, key=lambda t: (t.rank if t.rank is not None else 1 << 30, t.pid))
+    return order, timing
 
 
 def output_dir(path: Path) -> Path:

@@ -164,7 +164,7 @@ def _diverge(a, ranks: list[dict]) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def node_main(argv: list[str] | None = None) -> int:
     import argparse
 
     from areal_cli.diagnose import nodes
@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step", type=int)
     ap.add_argument("--wait", type=float)
     ap.add_argument("--gap", type=float, default=0.0)
+    started = time.monotonic()
     out: dict = {"node": nodes._node_here(), "ranks": []}
     try:
         a = ap.parse_args(argv)
@@ -192,9 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         out["error"] = f"bad arguments {argv or sys.argv[1:]} (exit {e.code})"
     except Exception as e:  # reported to the caller, which names this node
         out["error"] = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
+    out["took_s"] = round(time.monotonic() - started, 3)
     print(json.dumps(out, default=str), flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(node_main())
