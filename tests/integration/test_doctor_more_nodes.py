@@ -101,3 +101,45 @@ def test_profile_memory_diverge_across_ray_nodes(ray_cluster, areal_env, tmp_pat
     finally:
         areal("stop", "default/trial0", check=0, timeout=120)
         proc.wait(timeout=120)
+
+
+def test_a_node_that_cannot_be_reached_is_named(tmp_path):
+    """The scheduler reaches node a (its node-side entry runs for real) but not node b: memory
+    and profile give node a's rank and name node b's failure; diverge arms nothing."""
+    import os
+    import sys
+
+    from areal_cli.diagnose import diverge, memory, profile
+    from areal_cli.diagnose.targets import Job, RankProc
+    from areal_cli.errors import ArealError
+
+    down = "node b cannot be reached: it is down"
+    rank0 = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        env={**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"},
+    )
+
+    def reach(job_id, commands, timeout):
+        out = {"b": (None, down)}
+        res = subprocess.run(commands["a"], capture_output=True, text=True, timeout=timeout)
+        out["a"] = (res.stdout, None)
+        return out
+
+    try:
+        job = Job(
+            label="job e/t", name="e/t", scheduler_job_id="7", reach=reach,
+            ranks=[RankProc(rank0.pid, 0, 0, 2, None, [], node="a"),
+                   RankProc(4194001, 1, 0, 2, None, [], node="b")],
+            nodes={"a": [rank0.pid], "b": [4194001]},
+        )  # fmt: skip
+        mem = memory.gather(job)
+        assert [(r.rank, r.node) for r in mem.ranks] == [(0, "a")] and mem.errors == {"b": down}
+        prof = profile.record(job, tmp_path / "p", duration=1)
+        by_rank = {t.rank: t for t in prof.ranks}
+        assert by_rank[1].error == down and by_rank[1].node == "b"
+        assert by_rank[0].error is None and (tmp_path / "p" / "rank0-a.svg").exists()
+        with pytest.raises(ArealError, match=down):
+            diverge.run(job)
+    finally:
+        rank0.kill()
+        rank0.wait()

@@ -101,8 +101,7 @@ class _Nodes:
         bad = {n: why for n, (data, why) in got.items() if data is None or data.get("error")}
         if bad:
             node, why = next(iter(bad.items()))
-            raise ArealError(f"{self.job.label}: {why}",
-                             hint="the other nodes were not asked to check either")  # fmt: skip
+            raise ArealError(f"{self.job.label}: {why}")
         out = []
         for node, (data, _why) in got.items():
             for r in data.get("ranks", []):
@@ -169,10 +168,22 @@ def run(
         ahead = lead_s * 2 ** (attempt - 1) + 2 * rtt
         target = max(a["step"] for a in again.values()) + 1 + math.ceil(rate * ahead)
         sent = time.monotonic()
-        armed = ranks.ask("diverge_arm", step=target)
+        try:
+            armed = ranks.ask("diverge_arm", step=target)
+        except ArealError:
+            # A node that did not answer: the others may hold the step armed; take it back.
+            _cancel_quietly(ranks, target)
+            raise
         rtt = max(rtt, time.monotonic() - sent)
         if all(isinstance(a, dict) and a.get("armed") for a in armed.values()):
-            committed = ranks.ask("diverge_commit", step=target)
+            try:
+                committed = ranks.ask("diverge_commit", step=target)
+            except ArealError as e:
+                raise ArealError(
+                    f"{e.message}; the ranks of the nodes that took the commit of step "
+                    f"{target} run the check without the others'",
+                    hint="a job whose ranks then wait in the check hangs: areal doctor hang",
+                ) from None
             lost = sorted(r for r, a in committed.items()
                           if not (isinstance(a, dict) and a.get("committed")))  # fmt: skip
             if lost:
@@ -224,6 +235,13 @@ def run(
     report = results[done[0]]["report"]
     return DivergeResult(job.name or job.label, target, report, all_ranks, missing,
                          time.monotonic() - t0, attempt, dict(ranks.nodes))  # fmt: skip
+
+
+def _cancel_quietly(ranks, step: int) -> None:
+    try:
+        ranks.ask("diverge_cancel", step=step)
+    except ArealError:
+        pass
 
 
 def _rate(first: dict, again: dict) -> float:
