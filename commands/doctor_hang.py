@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from areal_cli import console
-
 STATE_STYLE = {
     "collective": "cyan",
     "busy": "magenta",
@@ -113,9 +111,12 @@ def run(
     find_s = time.monotonic() - found_at
     nranks = sum(len(j.ranks) for j in jobs)
     status = None
-    if not json_out and console.err.is_terminal:
-        status = console.err.status(f"dumping {nranks} rank(s)...")
-        status.start()
+    if not json_out:  # else console (and typing with it) once the dumps are done
+        from areal_cli import console
+
+        if console.err.is_terminal:
+            status = console.err.status(f"dumping {nranks} rank(s)...")
+            status.start()
 
     def progress(sample: int, done: int, total: int) -> None:
         if status is not None:
@@ -136,6 +137,8 @@ def run(
     finally:
         if status is not None:
             status.stop()
+    from areal_cli import console
+
     written = hang.write_bundle(reports, out_dir) if out_dir else []
     if json_out:
         data = hang.to_json(reports)
@@ -168,6 +171,8 @@ def run(
 def render_hang(rep, show_locals: bool = False) -> None:
     from rich.markup import escape
     from rich.tree import Tree
+
+    from areal_cli import console
 
     a = rep.analysis
     v = a.verdict

@@ -539,3 +539,65 @@ def test_missing_cap_sys_ptrace_is_explained_before_dumping(blocked):
     assert res.returncode == 1, res.stdout + res.stderr
     assert "CAP_SYS_PTRACE" in res.stderr
     assert "--cap-add SYS_PTRACE" in res.stderr
+
+
+def test_ranks_are_read_from_proc_as_psutil_reads_them(tmp_path):
+    """targets.Proc stands in for psutil.Process (whose import was a fifth of the start-up):
+    on real processes (a Python one with odd arguments and environment, a shell's, this one,
+    a zombie) it reads the same."""
+    from areal_cli.diagnose import targets
+
+    env = {**os.environ, "RANK": "3", "ODD_VALUE": "a=b c"}
+    live = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "two words"], env=env
+    )
+    shell = subprocess.Popen(["sleep", "60"])
+    zombie = subprocess.Popen(["true"])
+    try:
+        assert procs.wait_until(lambda: psutil.Process(zombie.pid).status() == "zombie", 10)
+        for pid in (live.pid, shell.pid, os.getpid()):
+            ours, theirs = targets.Proc(pid), psutil.Process(pid)
+            assert ours.cmdline() == theirs.cmdline()
+            assert ours.environ() == theirs.environ()
+            assert ours.exe() == theirs.exe()
+            assert ours.name() == theirs.name()
+            assert ours.status() == theirs.status()
+            assert ours.real_uid() == theirs.uids().real
+        assert targets.Proc(live.pid).environ()["ODD_VALUE"] == "a=b c"
+        z = targets.Proc(zombie.pid)
+        assert z.status() == targets.ZOMBIE == psutil.STATUS_ZOMBIE
+        assert z.cmdline() == []  # psutil raises ZombieProcess here; targets skips zombies first
+        res = doctor("--pid", str(zombie.pid))
+        assert res.returncode == 2 and "zombie" in res.stderr, res.stderr
+    finally:
+        for p in (live, shell):
+            p.kill()
+            p.wait()
+        zombie.wait()
+    with pytest.raises(targets.NoSuchProcess):
+        targets.Proc(live.pid)
+
+
+def test_a_py_spy_too_old_for_the_ranks_python_is_named(tmp_path, monkeypatch):
+    """py-spy's version is asked while the first dumps run (not before them): a release too
+    old for the ranks' Python still ends in the one message naming it, with the fix."""
+    from areal_cli.diagnose import hang, targets
+
+    real = stacks.require_pyspy()
+    old = tmp_path / "py-spy"
+    old.write_text(
+        '#!/bin/sh\nif [ "$1" = --version ]; then echo "py-spy 0.3.13"; exit 0; fi\n'
+        f'exec {real} "$@"\n'
+    )
+    old.chmod(0o755)
+    monkeypatch.setattr(stacks, "find_pyspy", lambda: str(old))
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        jobs = targets.resolve(pids=[rank.pid])
+        with pytest.raises(hang.AttachError) as e:
+            hang.diagnose(jobs, samples=1)
+    finally:
+        rank.kill()
+        rank.wait()
+    assert "py-spy 0.3.13 cannot read Python 3." in e.value.message
+    assert "pip install -U py-spy" in e.value.hint

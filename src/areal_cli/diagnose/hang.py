@@ -21,11 +21,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from areal_cli.diagnose import permissions, stacks
 from areal_cli.errors import EXIT_FAILED, ArealError, UsageError
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start-up cost)
 if TYPE_CHECKING:
     from areal_cli.diagnose import flight
     from areal_cli.diagnose.targets import Job
@@ -124,7 +124,10 @@ def diagnose(
     started = time.monotonic()
     pyspy = stacks.require_pyspy()
     pids = [r.pid for j in jobs for r in j.ranks]
-    tracer = preflight(pids, pyspy)
+    # py-spy's version only matters for a py-spy older than the ranks' Python: asked while the
+    # first dumps run, not before them (one more process start on the way to the first dump).
+    version = _Answer(stacks.pyspy_version, pyspy)
+    tracer = _check(pids, permissions.tracer_info(None))
     preflight_s = time.monotonic() - started
 
     rounds: list[dict[int, stacks.Dump]] = []
@@ -156,6 +159,8 @@ def diagnose(
         if i == 0:
             _import_judges()
         dumps = pending.wait()
+        if i == 0:
+            tracer = _check(pids, tracer, version.result())
         dump_s += time.monotonic() - t0
         rounds.append(dumps)
         if all(d.error_kind == "gone" for d in dumps.values()):
@@ -362,7 +367,38 @@ def _raise_unreadable(reports: list[HangReport]) -> None:
 
 def preflight(pids: list[int], pyspy: str) -> permissions.TracerInfo:
     """Raise AttachError with the exact fix when the kernel or py-spy will refuse."""
-    tracer = permissions.tracer_info(stacks.pyspy_version(pyspy))
+    return _check(pids, permissions.tracer_info(stacks.pyspy_version(pyspy)))
+
+
+class _Answer:
+    """fn(*args) run in a thread of its own; `result` waits for it."""
+
+    def __init__(self, fn: Callable, *args) -> None:
+        import threading
+
+        self._value = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable, args: tuple) -> None:
+        self._value = fn(*args)
+
+    def result(self):
+        self._thread.join()
+        return self._value
+
+
+def _check(
+    pids: list[int], tracer: permissions.TracerInfo, pyspy_version: tuple[int, ...] | None = None
+) -> permissions.TracerInfo:
+    """`preflight` for `tracer`; with `pyspy_version` (learnt later), only what that version
+    adds: whether it is too old for the ranks' Python. The tracer, with the version."""
+    if pyspy_version is not None:
+        from dataclasses import replace
+
+        tracer = replace(tracer, pyspy_version=pyspy_version)
+        if permissions.pyspy_max_python(pyspy_version) is None:
+            return tracer  # a release newer than the table: trusted
     old_pyspy = bool(
         tracer.pyspy_version and permissions.pyspy_max_python(tracer.pyspy_version) is not None
     )

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
+import select
+import signal
 import sys
 import threading
 import time
@@ -132,6 +132,8 @@ def find_pyspy() -> str | None:
     here = Path(sys.executable).parent / "py-spy"
     if here.is_file() and os.access(here, os.X_OK):
         return str(here)
+    import shutil
+
     return shutil.which("py-spy")
 
 
@@ -147,10 +149,8 @@ def require_pyspy() -> str:
 
 def pyspy_version(exe: str) -> tuple[int, ...] | None:
     try:
-        res = subprocess.run(
-            [exe, "--version"], capture_output=True, text=True, timeout=5, env=_pyspy_env()
-        )
-    except (OSError, subprocess.TimeoutExpired):
+        res = _run([exe, "--version"], 5.0)
+    except (OSError, TimeoutExpired):
         return None
     # "py-spy 0.4.3"
     parts = res.stdout.strip().split()
@@ -206,7 +206,7 @@ def dump(
     taken_at = time.time()
     try:
         res = _run(argv, timeout)
-    except subprocess.TimeoutExpired:
+    except TimeoutExpired:
         return Dump(
             pid,
             error=f"py-spy did not answer within {timeout:g}s",
@@ -258,27 +258,80 @@ def is_stopped(pid: int) -> bool:
     return _thread_state(pid, pid) == "T"
 
 
-def _run(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """Run py-spy (or nsenter holding it) in its own process group: a timeout (or Ctrl-C)
-    kills the whole group, so no py-spy outlives the nsenter that forked it."""
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_pyspy_env(),
-        start_new_session=True,
-    )
+class TimeoutExpired(Exception):
+    """py-spy did not finish within its timeout (it was killed)."""
+
+
+class Ran:
+    """What `_run` returns: exit status and output, as subprocess.CompletedProcess has them."""
+
+    __slots__ = ("argv", "returncode", "stdout", "stderr")
+
+    def __init__(self, argv: list[str], returncode: int, stdout: str, stderr: str) -> None:
+        self.argv, self.returncode, self.stdout, self.stderr = argv, returncode, stdout, stderr
+
+
+def _run(argv: list[str], timeout: float) -> Ran:
+    """Run py-spy (or nsenter holding it) in its own session and process group: a timeout (or
+    Ctrl-C) kills the whole group, so no py-spy outlives the nsenter that forked it.
+
+    posix_spawn and one poll over both pipes rather than subprocess: the doctor starts one
+    py-spy per rank from several threads, and subprocess's import and its Python-level
+    communicate() were a share of a 16-rank dump that the GIL made the threads take in turn.
+    """
+    out_r, out_w = os.pipe()  # not inheritable: only the dup2'd copies reach py-spy
+    err_r, err_w = os.pipe()
     try:
-        out, err = proc.communicate(timeout=timeout)
+        pid = os.posix_spawnp(
+            argv[0],
+            argv,
+            _pyspy_env(),
+            file_actions=[(os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)],
+            setsid=True,
+            # Python ignores these; an ignored signal would stay ignored in py-spy.
+            setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
+        )
+    except BaseException:
+        for fd in (out_r, out_w, err_r, err_w):
+            os.close(fd)
+        raise
+    os.close(out_w)
+    os.close(err_w)
+    chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+    poller = select.poll()
+    for fd in chunks:
+        poller.register(fd, select.POLLIN)
+    open_fds = set(chunks)
+    deadline = time.monotonic() + timeout
+    try:
+        while open_fds:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutExpired(f"{argv[0]} did not finish within {timeout:g}s")
+            for fd, _event in poller.poll(left * 1000):
+                data = os.read(fd, 1 << 16)
+                if data:
+                    chunks[fd].append(data)
+                else:
+                    poller.unregister(fd)
+                    open_fds.discard(fd)
+        _, status = os.waitpid(pid, 0)
     except BaseException:
         try:
-            os.killpg(proc.pid, 9)
+            os.killpg(pid, 9)
         except OSError:
             pass
-        proc.communicate()
+        os.waitpid(pid, 0)
         raise
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    finally:
+        os.close(out_r)
+        os.close(err_r)
+    return Ran(
+        argv,
+        os.waitstatus_to_exitcode(status),
+        b"".join(chunks[out_r]).decode(errors="replace"),
+        b"".join(chunks[err_r]).decode(errors="replace"),
+    )
 
 
 # --------------------------------------------------------------------------- PID namespaces
@@ -322,6 +375,8 @@ def _in_namespace(pid: int, ns: dict[int, int], argv: list[str]) -> list[str] | 
     namespace of its own (the rest of this host's files stay visible: py-spy itself), and
     naming the target by its id there; or why that cannot be done."""
     inner = next((n for n, ours in ns.items() if ours == pid), None)
+    import shutil
+
     nsenter, unshare = shutil.which("nsenter"), shutil.which("unshare")
     if inner is None or not nsenter or not unshare:
         return (

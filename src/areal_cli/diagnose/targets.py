@@ -8,19 +8,22 @@ Their own children (DataLoader workers, compile workers) inherit `RANK` and are 
 Each process is read once (status, parent, environment): a job of 64 ranks is found in
 milliseconds, and a process that exits meanwhile is skipped, or named as gone, never a
 traceback.
+
+Processes are read from /proc by `Proc` (the few psutil.Process methods used here), not by
+psutil: `doctor hang` finds the ranks before its first dump starts, and psutil's import was
+a fifth of that start-up.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
-
-from areal_cli import procs, settings
+from areal_cli import settings
 from areal_cli.errors import UsageError
 
 RANK_ENV = (
@@ -32,10 +35,101 @@ RANK_ENV = (
     "MASTER_ADDR",
     "MASTER_PORT",
     "TORCHELASTIC_RUN_ID",
-    procs.MARKER_ENV,
+    "AREAL_JOB_MARKER",  # procs.MARKER_ENV (a test holds them equal): procs imports psutil
 )
 
 _PYTHON_EXE = re.compile(r"^(python|pypy)[0-9.]*$")
+
+
+class ProcError(Exception):
+    """A process could not be read (psutil.Error's place here)."""
+
+    def __init__(self, pid: int, msg: str = "") -> None:
+        super().__init__(msg or f"pid {pid}")
+        self.pid = pid
+
+
+class NoSuchProcess(ProcError):
+    """The process does not exist (any more)."""
+
+
+class AccessDenied(ProcError):
+    """This user may not read that part of the process."""
+
+
+ZOMBIE = "zombie"
+_STATES = {"R": "running", "S": "sleeping", "D": "disk-sleep", "T": "stopped",
+           "t": "tracing-stop", "Z": ZOMBIE, "X": "dead", "I": "idle"}  # fmt: skip
+
+
+class Proc:
+    """One process read from /proc, with the methods of psutil.Process this module uses."""
+
+    __slots__ = ("pid",)
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        if not os.path.exists(f"/proc/{pid}/stat"):
+            raise NoSuchProcess(pid, f"no process with pid {pid}")
+
+    def _read(self, name: str) -> bytes:
+        try:
+            with open(f"/proc/{self.pid}/{name}", "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise self._error(e) from None
+
+    def _error(self, e: OSError) -> ProcError:
+        if e.errno in (errno.EACCES, errno.EPERM):
+            return AccessDenied(self.pid, f"pid {self.pid}: {e.strerror}")
+        return NoSuchProcess(self.pid, f"pid {self.pid} exited")
+
+    def _stat(self) -> tuple[str, str]:
+        """(comm, state letter)."""
+        text = self._read("stat")
+        start, end = text.find(b"("), text.rfind(b")")
+        if start < 0 or end < 0:
+            raise NoSuchProcess(self.pid)
+        return text[start + 1 : end].decode(errors="replace"), text[end + 2 : end + 3].decode()
+
+    def status(self) -> str:
+        letter = self._stat()[1]
+        return _STATES.get(letter, letter)
+
+    def name(self) -> str:
+        return self._stat()[0]
+
+    def cmdline(self) -> list[str]:
+        data = self._read("cmdline").decode(errors="replace")
+        if not data:
+            return []
+        if "\0" not in data.rstrip("\0") and " " in data:
+            return data.split()  # a process that rewrote its title (setproctitle), as psutil
+        return data.rstrip("\0").split("\0")
+
+    def environ(self) -> dict[str, str]:
+        out = {}
+        for kv in self._read("environ").decode(errors="replace").split("\0"):
+            key, eq, value = kv.partition("=")
+            if eq and key:
+                out[key] = value
+        return out
+
+    def exe(self) -> str:
+        try:
+            return os.readlink(f"/proc/{self.pid}/exe")
+        except FileNotFoundError:
+            if not os.path.exists(f"/proc/{self.pid}"):
+                raise NoSuchProcess(self.pid) from None
+            return ""  # a zombie or a kernel thread: no executable, as psutil says
+        except OSError as e:
+            raise self._error(e) from None
+
+    def real_uid(self) -> int | None:
+        for line in self._read("status").splitlines():
+            if line.startswith(b"Uid:"):
+                return int(line.split()[1])
+        return None
 
 
 @dataclass
@@ -127,7 +221,7 @@ def resolve(
         if pids:
             return _from_pids(pids)
         return _discover()
-    except psutil.NoSuchProcess as e:
+    except NoSuchProcess as e:
         raise UsageError(
             f"pid {e.pid} exited while its ranks were being found",
             hint="the job is ending or restarting: `areal ps` or its launcher's log says which",
@@ -218,6 +312,8 @@ def _from_job(name: str, home: str | Path | None) -> Job:
     job = next((j for j in jobs if j.handle.kind != "serve"), jobs[0])
     if job.handle.job_id:
         return _from_cluster_job(job)
+    from areal_cli import procs
+
     tree = _Tree()
     roots = [p for p in job.pids if procs.pid_alive(p)]
     candidates = {pid for root in roots for pid in tree.descendants(root)}
@@ -290,17 +386,20 @@ def _discover() -> list[Job]:
     tree = _Tree()
     mine = {os.getpid(), *tree.ancestors(os.getpid())}
     uid = os.getuid()
-    launchers: list[psutil.Process] = []
-    pythons: list[psutil.Process] = []
-    for p in psutil.process_iter(["uids", "cmdline", "name", "exe"]):
+    launchers: list[Proc] = []
+    pythons: list[Proc] = []
+    for pid in sorted(tree.parent):
+        if pid in mine:
+            continue
+        p = tree.proc(pid)
         try:
-            if p.pid in mine or (p.info["uids"] and p.info["uids"].real != uid):
+            if p is None or p.real_uid() != uid:
                 continue
             if is_launcher(p):
                 launchers.append(p)
             elif is_python(p):
                 pythons.append(p)
-        except psutil.Error:
+        except ProcError:
             continue
     launcher_pids = {p.pid for p in launchers}
     top = [p for p in launchers if not launcher_pids.intersection(tree.ancestors(p.pid))]
@@ -335,10 +434,10 @@ def _discover() -> list[Job]:
 class _Tree:
     """Every process on this host and its parent, from one pass over /proc/*/stat (psutil's
     process_iter would build a Process object for each: several times slower on a busy
-    node). psutil takes over for the few processes looked at closely."""
+    node). `Proc` reads the few processes looked at closely."""
 
     def __init__(self) -> None:
-        self.procs: dict[int, psutil.Process] = {}
+        self.procs: dict[int, Proc] = {}
         self.parent: dict[int, int] = {}
         self.children: dict[int, list[int]] = {}
         for entry in os.scandir("/proc"):
@@ -354,11 +453,11 @@ class _Tree:
             self.parent[pid] = ppid
             self.children.setdefault(ppid, []).append(pid)
 
-    def proc(self, pid: int) -> psutil.Process | None:
+    def proc(self, pid: int) -> Proc | None:
         if pid not in self.procs:
             try:
-                self.procs[pid] = psutil.Process(pid)
-            except psutil.Error:
+                self.procs[pid] = Proc(pid)
+            except ProcError:
                 return None
         return self.procs[pid]
 
@@ -391,9 +490,9 @@ class _Tree:
             if p is None:
                 continue
             try:
-                if p.status() == psutil.STATUS_ZOMBIE or not is_python(p):
+                if p.status() == ZOMBIE or not is_python(p):
                     continue
-            except psutil.Error:
+            except ProcError:
                 continue
             r = _rank_proc(p)
             if r is not None and r.rank is not None:
@@ -410,7 +509,7 @@ class _Tree:
 # --------------------------------------------------------------------------- helpers
 
 
-def is_launcher(p: psutil.Process) -> bool:
+def is_launcher(p: Proc) -> bool:
     cmd = _cmdline(p)
     if not cmd:
         return False
@@ -426,7 +525,7 @@ def is_launcher(p: psutil.Process) -> bool:
     return False
 
 
-def _is_spawner(p: psutil.Process, ranks: list[RankProc], tree: _Tree) -> bool:
+def _is_spawner(p: Proc, ranks: list[RankProc], tree: _Tree) -> bool:
     """A parent not known as a launcher stands for the ranks below it only when they are of
     one rendezvous and it is not init or a process this doctor runs under (a shell, tmux,
     sshd: everything of the user's is below those)."""
@@ -435,17 +534,16 @@ def _is_spawner(p: psutil.Process, ranks: list[RankProc], tree: _Tree) -> bool:
     return p.pid != 1 and p.pid not in {os.getpid(), *tree.ancestors(os.getpid())}
 
 
-def is_python(p: psutil.Process) -> bool:
-    info = getattr(p, "info", None) or {}
+def is_python(p: Proc) -> bool:
     try:
-        exe = info["exe"] if "exe" in info else p.exe()
-    except (psutil.Error, OSError):
+        exe = p.exe()
+    except (ProcError, OSError):
         exe = ""
     if exe and _PYTHON_EXE.match(os.path.basename(exe)):
         return True
     try:
-        name = info["name"] if "name" in info else p.name()
-    except psutil.Error:
+        name = p.name()
+    except ProcError:
         name = ""
     if _PYTHON_EXE.match(name or ""):
         return True
@@ -456,7 +554,7 @@ def is_python(p: psutil.Process) -> bool:
         return False
 
 
-def launcher_label(p: psutil.Process) -> str:
+def launcher_label(p: Proc) -> str:
     cmd = _cmdline(p)
     script = next((c for c in cmd[1:] if c.endswith(".py")), None)
     kind = (
@@ -465,33 +563,33 @@ def launcher_label(p: psutil.Process) -> str:
     return f"{kind} pid {p.pid}" + (f" ({os.path.basename(script)})" if script else "")
 
 
-def _process(pid: int) -> psutil.Process:
+def _process(pid: int) -> Proc:
     if pid <= 0:
         raise UsageError(f"{pid} is not a process id", hint="pids are positive integers")
     try:
-        p = psutil.Process(pid)
-        if p.status() == psutil.STATUS_ZOMBIE:
+        p = Proc(pid)
+        if p.status() == ZOMBIE:
             raise UsageError(
                 f"pid {pid} has exited (zombie, waiting for its parent to reap it)",
                 hint="nothing to dump: its launcher's log tells how it ended",
             )
         return p
-    except psutil.NoSuchProcess:
+    except NoSuchProcess:
         raise UsageError(
             f"no process with pid {pid}",
             hint="`ps -ef | grep torchrun` or `areal ps` lists what runs",
         ) from None
-    except psutil.AccessDenied:
+    except AccessDenied:
         raise UsageError(f"pid {pid} cannot be inspected by this user") from None
 
 
-def _rank_proc(p: psutil.Process) -> RankProc | None:
+def _rank_proc(p: Proc) -> RankProc | None:
     try:
         env = p.environ()
         cmd = p.cmdline()
-    except psutil.NoSuchProcess:
+    except NoSuchProcess:
         return None
-    except (psutil.AccessDenied, OSError):
+    except (AccessDenied, OSError):
         env, cmd = {}, []
     sub = {k: env[k] for k in RANK_ENV if k in env}
     return RankProc(
@@ -518,21 +616,18 @@ def _number(ranks: list[RankProc]) -> list[RankProc]:
     return sorted(ranks, key=lambda r: (r.rank, r.pid))
 
 
-def _cmdline(p: psutil.Process) -> list[str]:
-    info = getattr(p, "info", None)  # read already by process_iter
-    if info and "cmdline" in info:
-        return info["cmdline"] or []
+def _cmdline(p: Proc) -> list[str]:
     try:
         return p.cmdline()
-    except (psutil.Error, OSError):
+    except (ProcError, OSError):
         return []
 
 
-def _describe(p: psutil.Process) -> str:
+def _describe(p: Proc) -> str:
     cmd = _cmdline(p)
     try:
         text = " ".join(cmd) if cmd else p.name()
-    except psutil.Error:
+    except ProcError:
         text = "exited"
     return text if len(text) <= 60 else text[:57] + "..."
 
