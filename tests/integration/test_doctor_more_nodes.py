@@ -32,7 +32,9 @@ def wait_ranks(reg, proc, n: int, timeout: float = 240) -> None:
 
 def doctor_all_three(tmp_path: Path, nodes: set[str]) -> None:
     # memory: a row per rank, each with its node, each node's memory beside them
-    res = areal("doctor", "memory", "--job", "default/trial0", "--json", timeout=120)
+    snaps = tmp_path / "snap"
+    res = areal("doctor", "memory", "--job", "default/trial0", "--json", "--snapshot",
+                str(snaps), timeout=120)  # fmt: skip
     assert res.returncode == 0, res.stderr
     mem = json.loads(res.stdout)
     node_of = {r["rank"]: r["node"] for r in mem["ranks"]}
@@ -41,6 +43,12 @@ def doctor_all_three(tmp_path: Path, nodes: set[str]) -> None:
     assert set(mem["nodes"]) == nodes and mem["errors"] == {}
     assert all(v["host"]["total"] > 0 for v in mem["nodes"].values())
     assert mem["most"]["node"] == node_of[mem["most"]["rank"]]
+    # each rank's snapshot (on CPU: its RSS breakdown) brought back from its node
+    assert sorted((s["rank"], s["node"], s["kind"]) for s in mem["snapshots"]) == [
+        (r, n, "smaps_rollup") for r, n in sorted(node_of.items())
+    ]
+    for r, n in node_of.items():
+        assert json.loads((snaps / f"rank{r}-{n}.smaps_rollup.json").read_text())["Rss"] > 0
     # profile: recorded on both nodes at once, files written here, the straggler named
     out = tmp_path / "prof"
     t0 = time.monotonic()
