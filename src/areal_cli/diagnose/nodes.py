@@ -116,17 +116,9 @@ def sample(
 
 
 def _het_groups(job_id: str) -> dict[str, int]:
-    """node → its component, for a heterogeneous job (srun reaches it with --het-group)."""
-    from areal_cli.errors import ArealError
-    from areal_cli.schedulers.slurm import cluster
+    from areal_cli.schedulers.slurm.cluster import het_groups
 
-    try:
-        info = cluster.jobs([job_id]).get(job_id)
-    except ArealError:
-        return {}
-    if info is None or len(info.components) < 2:
-        return {}
-    return {n: offset for offset, names in info.components.items() for n in names}
+    return het_groups(job_id)
 
 
 def _dump(d: dict) -> stacks.Dump:

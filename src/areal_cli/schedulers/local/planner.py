@@ -17,8 +17,8 @@ from areal_cli.launchers import torchrun
 from areal_cli.registry import Registry
 from areal_cli.schedulers.common import (
     areal_overrides,
-    new_marker,
     opened,
+    plan_fields,
     resolve_api_key,
     worker_env,
 )
@@ -66,23 +66,13 @@ def held_by_others(
 
 
 def plan(spec: JobSpec, home: Path, registry: Registry | str, check_packages: bool = True) -> Plan:
-    log_dir = settings.log_dir(home, spec.experiment, spec.trial)
     registry = opened(registry)
-    marker = new_marker(spec.experiment, spec.trial)
     p = Plan(
-        experiment=spec.experiment,
-        trial=spec.trial,
-        kind=spec.kind,
-        log_dir=str(log_dir),
-        home=str(home),
-        registry=registry.url,
-        marker=marker,
-        alloc=spec.alloc,
-        health_timeout=spec.health_timeout,
-        registry_ttl=settings.registry_ttl(),
+        **plan_fields(spec, home, registry),
         watchdog=spec.watchdog if spec.trainer else 0.0,
         watchdog_action=spec.watchdog_action,
     )
+    log_dir = Path(p.log_dir)
     inventory = gpus.detect(spec.gpus_flag)
     held, busy_ports = held_by_others(registry, home, inventory)
     free = [g for g in inventory.ids if g not in held]

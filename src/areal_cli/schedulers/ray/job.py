@@ -18,8 +18,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 from areal_cli import apikeys, logfiles, settings
-from areal_cli.errors import EXIT_TIMEOUT, ArealError, LaunchError, UsageError, WaitTimeout
+from areal_cli.errors import EXIT_TIMEOUT, LaunchError, WaitTimeout
 from areal_cli.schedulers.api import LIVE, Stopped
+from areal_cli.schedulers.cluster import (
+    SlotLock,
+    clash,
+    deregister_servers,
+    follow_logs,
+    leave_nothing,
+    ready_addr,
+    refusal,
+    reread,
+)
+
+# The names this module's start and watch call them by.
+from areal_cli.schedulers.cluster import private_file as _private
+from areal_cli.schedulers.cluster import read_code as _read_code
 from areal_cli.schedulers.common import describe_exit, explain_failure, tail_text
 from areal_cli.schedulers.ray import cluster, records
 from areal_cli.schedulers.ray.planner import (
@@ -28,8 +42,6 @@ from areal_cli.schedulers.ray.planner import (
     RayPlan,
     actor_name,
     group_name,
-    jobs_dir,
-    slot,
 )
 from areal_cli.schedulers.ray.records import RayRecord
 
@@ -76,35 +88,8 @@ def submit(plan: RayPlan, home: Path, world_size: int) -> RayRecord:
     return rec
 
 
-def _private(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-
-
-class _slot_lock:
-    def __init__(self, home: Path, plan: RayPlan):
-        self.path = jobs_dir(home, plan.experiment, plan.trial) / f".{slot(plan.kind)}.lock"
-        self.plan = plan
-
-    def __enter__(self):
-        import fcntl
-
-        settings.ensure_dir(self.path.parent)
-        self.f = open(self.path, "a+")  # noqa: SIM115 - the lock lives as long as the file
-        try:
-            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.f.close()
-            raise UsageError(
-                f"another {slot(self.plan.kind)} job of {self.plan.experiment}/"
-                f"{self.plan.trial} is being started right now",
-                hint="see `areal ps`, or pick another --trial",
-            ) from None
-        return self
-
-    def __exit__(self, *exc):
-        self.f.close()
+def _slot_lock(home: Path, plan: RayPlan) -> SlotLock:
+    return SlotLock(records.trial_dir(home, plan.experiment, plan.trial), plan, "started")
 
 
 def refuse_if_running(home: Path, plan: RayPlan) -> None:
@@ -116,12 +101,8 @@ def refuse_if_running(home: Path, plan: RayPlan) -> None:
         job = sched.describe(h)
         if job is None or job.state not in LIVE:
             continue
-        if slot(h.kind) == slot(plan.kind) or "serve+train" in (h.kind, plan.kind):
-            raise UsageError(
-                f"job {plan.experiment}/{plan.trial} is already running ({h.kind}, {h})",
-                hint=f"stop it first (areal stop {plan.experiment}/{plan.trial}) or pick "
-                "another --trial",
-            )
+        if clash(plan, h.kind):
+            raise refusal(plan, h.kind, str(h))
 
 
 def _step_class():
@@ -203,13 +184,6 @@ def forwarded_env() -> dict[str, str]:
 # -- what Ray says -------------------------------------------------------------------------
 
 
-def _read_code(path: Path) -> int | None:
-    try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
 def exit_codes(rec: RayRecord) -> dict[str, int]:
     """label → the runner's exit code, for the runners that ended."""
     out = {}
@@ -241,10 +215,7 @@ def refresh(recs: list[RayRecord], home: Path) -> None:
     """Bring live records up to date with the cluster (one call for all); a job whose actors
     are all gone, or whose runners all ended, is finished. A cluster that does not answer
     raises cluster.Unreachable before anything is written, removed or killed."""
-    for rec in recs:
-        fresh = records.read(records.path(home, rec.experiment, rec.trial, rec.kind))
-        if fresh is not None and fresh.job_id == rec.job_id:
-            rec.__dict__.update(fresh.__dict__)
+    reread(recs, records, home)
     live = [r for r in recs if r.live]
     if not live:
         return
@@ -286,23 +257,6 @@ def refresh(recs: list[RayRecord], home: Path) -> None:
             records.write(home, rec)
 
 
-def ended_replicas(rec: RayRecord) -> dict[int, tuple[int, str | None]]:
-    """Replicas whose runner ended while the job runs on: index → (code, its address)."""
-    out = {}
-    for label, code in exit_codes(rec).items():
-        if label.startswith("server-"):
-            i = int(label.split("-")[1])
-            out[i] = (code, _ready(rec, i).get("addr"))
-    return out
-
-
-def _ready(rec: RayRecord, i: int) -> dict:
-    try:
-        return json.loads((Path(rec.run_dir) / f"server-{i}.ready").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def _failed_by_watchdog(rec: RayRecord) -> dict | None:
     """--watchdog-action fail ended the job: that stall is why, not torchrun's exit code."""
     from areal_cli.schedulers.ray import watch
@@ -317,16 +271,9 @@ def _failed_by_watchdog(rec: RayRecord) -> dict | None:
 def reap_replica(rec: RayRecord, index: int) -> None:
     """A replica whose actor Ray killed: its server (the actor's grandchild) still runs and
     is still registered. Out of discovery, and ended on its node."""
-    from areal_cli.registry import open_registry
-
-    addr = _ready(rec, index).get("addr")
-    try:
-        reg = open_registry(rec.registry)
-        for e in reg.list(rec.experiment, rec.trial, include_dead=True).servers:
-            if e.managed and e.marker == rec.marker and e.addr == addr:
-                reg.deregister(rec.experiment, rec.trial, e.id, e.lease)
-    except (ArealError, OSError):
-        pass
+    addr = ready_addr(rec, index)
+    if addr:
+        deregister_servers(rec, {addr})
     node = rec.node_ids.get(f"server-{index}")
     if node:
         _on_nodes([node], "sweep", rec.marker, index)
@@ -446,31 +393,7 @@ def teardown(rec: RayRecord, home: Path, grace: float = 10.0) -> int:
 def finish(rec: RayRecord, home: Path) -> int:
     """The job has ended: nothing of it in discovery or on this host; the record says how.
     Returns the registry entries removed."""
-    from areal_cli import procs
-    from areal_cli.registry import open_registry
-
-    gone = 0
-    try:
-        gone = open_registry(rec.registry).deregister_job(rec.experiment, rec.trial, rec.marker)
-    except (ArealError, OSError):
-        pass
-    procs.kill_job(rec.marker, grace=3.0)
-    _resume_servers(rec)
-    records.write(home, rec)
-    return gone
-
-
-def _resume_servers(rec: RayRecord) -> None:
-    if rec.kind == "serve":
-        return
-    from areal_cli.schedulers.common import resume_left_paused
-    from areal_cli.spec import Plan
-
-    try:
-        plan = Plan.from_json(json.loads((Path(rec.run_dir) / PLAN_FILE).read_text()))
-    except (OSError, ValueError, TypeError):
-        return
-    resume_left_paused(plan)
+    return leave_nothing(rec, home, records, PLAN_FILE)
 
 
 def cancel(rec: RayRecord, home: Path, timeout: float, reason: str) -> None:
@@ -485,27 +408,7 @@ def cancel(rec: RayRecord, home: Path, timeout: float, reason: str) -> None:
 
 
 def _follow(plan: RayPlan, on_line, stop: threading.Event) -> threading.Thread:
-    roles = (("server",) if plan.servers else ()) + (
-        ("rank", "torchrun", "watchdog") if plan.trainers else ()
-    )
-    follower = logfiles.Follower(Path(plan.log_dir), history=None, roles=roles)
-    for label, path in logfiles.select_logs(Path(plan.log_dir)).items():
-        try:
-            follower.offsets[label] = path.stat().st_size
-        except OSError:
-            pass
-
-    def loop() -> None:
-        while True:
-            stopping = stop.wait(0.05)
-            for label, line in follower.poll():
-                on_line(label, line)
-            if stopping:
-                return
-
-    t = threading.Thread(target=loop, name="log-follower", daemon=True)
-    t.start()
-    return t
+    return follow_logs(plan, on_line, stop, ("rank", "torchrun", "watchdog"))
 
 
 class Watch:
@@ -760,7 +663,6 @@ class Watch:
                     f"{stalled.get('bundle')}",
                 )
             self.on_event("trainer_exit", {"label": "torchrun", "code": code})
-
             if not bad:
                 self.rec.message = "ended"
                 return 0

@@ -350,6 +350,19 @@ def version() -> str | None:
     return res.stdout.strip() or None if res.returncode == 0 else None
 
 
+def het_groups(job_id: str) -> dict[str, int]:
+    """node → its component, for a heterogeneous job (srun reaches it with --het-group)."""
+    from areal_cli.errors import ArealError
+
+    try:
+        info = jobs([job_id]).get(job_id)
+    except ArealError:
+        return {}
+    if info is None or len(info.components) < 2:
+        return {}
+    return {n: offset for offset, names in info.components.items() for n in names}
+
+
 def down_nodes(nodes: list[str]) -> list[str]:
     """Which of these nodes Slurm considers down, drained or failed now."""
     if not nodes:

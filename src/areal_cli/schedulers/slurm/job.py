@@ -9,7 +9,6 @@ The batch job itself needs none of this to run: killing `areal` leaves it runnin
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import threading
 import time
@@ -19,9 +18,21 @@ from pathlib import Path
 from areal_cli import apikeys, logfiles, settings
 from areal_cli.errors import EXIT_TIMEOUT, ArealError, LaunchError, UsageError, WaitTimeout
 from areal_cli.schedulers.api import ENDED, LIVE, Stopped
+from areal_cli.schedulers.cluster import (
+    SlotLock,
+    clash,
+    deregister_servers,
+    ended_replicas,
+    follow_logs,
+    leave_nothing,
+    private_file,
+    read_code,
+    refusal,
+    reread,
+)
 from areal_cli.schedulers.common import describe_exit, explain_failure, tail_text
 from areal_cli.schedulers.slurm import cluster, records
-from areal_cli.schedulers.slurm.planner import SlurmPlan, jobs_dir, slot
+from areal_cli.schedulers.slurm.planner import SlurmPlan
 from areal_cli.schedulers.slurm.records import SlurmRecord
 from areal_cli.schedulers.slurm.script import PLAN_FILE, TRAINER_ENV_FILE
 
@@ -43,7 +54,7 @@ EventFn = Callable[[str, dict], None]
 def submit(plan: SlurmPlan, home: Path, world_size: int) -> SlurmRecord:
     """Write the run folder (private plan, the trainers' environment, the script), sbatch it,
     record it. One live job per slot: a second submission is refused, naming the first."""
-    with _slot_lock(home, plan):
+    with SlotLock(records.trial_dir(home, plan.experiment, plan.trial), plan, "submitted"):
         refuse_if_running(home, plan)
         previous = records.load(home, plan.experiment, plan.trial, plan.kind)
         run = Path(plan.run_dir)
@@ -51,9 +62,9 @@ def submit(plan: SlurmPlan, home: Path, world_size: int) -> SlurmRecord:
         settings.ensure_dir(run.parent)
         run.mkdir(mode=0o700)
         try:
-            _private(run / PLAN_FILE, json.dumps(plan.to_json(redact=False)))
+            private_file(run / PLAN_FILE, json.dumps(plan.to_json(redact=False)))
             for p in plan.trainers:
-                _private(run / TRAINER_ENV_FILE, json.dumps(p.env))
+                private_file(run / TRAINER_ENV_FILE, json.dumps(p.env))
             (run / "job.sh").write_text(plan.script)
             if plan.api_key and plan.api_key_file and plan.servers:
                 apikeys.store(plan.api_key_file, plan.marker, plan.api_key)
@@ -85,39 +96,6 @@ def submit(plan: SlurmPlan, home: Path, world_size: int) -> SlurmRecord:
     return rec
 
 
-def _private(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-
-
-class _slot_lock:
-    """Held while a slot is checked and submitted: two submissions at once, one refused."""
-
-    def __init__(self, home: Path, plan: SlurmPlan):
-        self.path = jobs_dir(home, plan.experiment, plan.trial) / f".{slot(plan.kind)}.lock"
-        self.plan = plan
-
-    def __enter__(self):
-        import fcntl
-
-        settings.ensure_dir(self.path.parent)
-        self.f = open(self.path, "a+")  # noqa: SIM115 - the lock lives as long as the file
-        try:
-            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.f.close()
-            raise UsageError(
-                f"another {slot(self.plan.kind)} job of {self.plan.experiment}/"
-                f"{self.plan.trial} is being submitted right now",
-                hint="see `areal ps`, or pick another --trial",
-            ) from None
-        return self
-
-    def __exit__(self, *exc):
-        self.f.close()
-
-
 def refuse_if_running(home: Path, plan: SlurmPlan) -> None:
     """A serving and a training job may share E/T; a second of the same kind may not, on this
     scheduler or any other."""
@@ -134,12 +112,8 @@ def refuse_if_running(home: Path, plan: SlurmPlan) -> None:
             where = f"pid {job.pids[0]}" if job.pids else f"job {h.job_id}"
             found.append((h.kind, f"{sched.name}, {where}"))
     for kind, what in found:
-        if slot(kind) == slot(plan.kind) or "serve+train" in (kind, plan.kind):
-            raise UsageError(
-                f"job {plan.experiment}/{plan.trial} is already running ({kind}, {what})",
-                hint=f"stop it first (areal stop {plan.experiment}/{plan.trial}) or pick "
-                "another --trial",
-            )
+        if clash(plan, kind):
+            raise refusal(plan, kind, what)
 
 
 # -- what squeue says ------------------------------------------------------------------------
@@ -151,11 +125,7 @@ def refresh(recs: list[SlurmRecord], home: Path) -> None:
     job: squeue listing it as ended, its own exit file, or the controller saying it no longer
     knows it. A controller that does not answer raises cluster.Unreachable before anything is
     written, removed or killed."""
-    for rec in recs:
-        # Another areal (a stop, a follower) may have written it since it was read.
-        fresh = records.read(records.path(home, rec.experiment, rec.trial, rec.kind))
-        if fresh is not None and fresh.job_id == rec.job_id:
-            rec.__dict__.update(fresh.__dict__)
+    reread(recs, records, home)
     live = [r for r in recs if r.live]
     if not live:
         return
@@ -171,7 +141,7 @@ def refresh(recs: list[SlurmRecord], home: Path) -> None:
                 records.write(home, rec)
             continue
         # Not in squeue's list: what the batch script left, else ask about this job alone.
-        code = _read_code(Path(rec.run_dir) / "job.exit")
+        code = read_code(Path(rec.run_dir) / "job.exit")
         if code is None and cluster.known(rec.job_id):
             continue  # listed a moment later (squeue's list and the job raced): next time
         rec.state = "dead" if code is None else ("stopped" if code == 0 else "failed")
@@ -184,41 +154,11 @@ def refresh(recs: list[SlurmRecord], home: Path) -> None:
         finish(rec, home, None)
 
 
-def ended_replicas(rec: SlurmRecord) -> dict[int, tuple[int, str | None]]:
-    """Replicas whose step ended while the job runs on (`scancel J.S`, a crash): index →
-    (exit code, the address it had registered, if it had)."""
-    out = {}
-    run = Path(rec.run_dir)
-    for i in range(rec.replicas):
-        code = _read_code(run / f"server-{i}.exit")
-        if code is None:
-            continue
-        try:
-            addr = json.loads((run / f"server-{i}.ready").read_text())["addr"]
-        except (OSError, ValueError, KeyError, TypeError):
-            addr = None
-        out[i] = (code, addr)
-    return out
-
-
 def reap_replicas(rec: SlurmRecord) -> int:
-    """Take ended replicas out of discovery: a step killed with SIGKILL never deregistered, and
-    AReaL's reader would go on listing it. Returns the entries removed."""
+    """Take replicas whose step ended (`scancel J.S`, a crash) out of discovery. Returns the
+    entries removed."""
     addrs = {addr for _, addr in ended_replicas(rec).values() if addr}
-    if not addrs:
-        return 0
-    from areal_cli.registry import open_registry
-
-    gone = 0
-    try:
-        reg = open_registry(rec.registry)
-        for e in reg.list(rec.experiment, rec.trial, include_dead=True).servers:
-            if e.managed and e.marker == rec.marker and e.addr in addrs:
-                reg.deregister(rec.experiment, rec.trial, e.id, e.lease)
-                gone += 1
-    except (ArealError, OSError):
-        pass  # its lease or heartbeat runs out anyway
-    return gone
+    return deregister_servers(rec, addrs) if addrs else 0
 
 
 def update(rec: SlurmRecord, info: cluster.JobInfo) -> None:
@@ -240,7 +180,6 @@ def finish(
     """The job has ended: nothing of it stays in discovery, nothing of it runs on this host,
     the record says how it ended. Returns the registry entries removed; what could not be
     removed is told in `left`."""
-    from areal_cli.registry import open_registry
     from areal_cli.schedulers.slurm import watch
 
     stalled = watch.failed_by_watchdog(rec.run_dir)
@@ -253,46 +192,7 @@ def finish(
             "cancelled": "cancelled outside areal (scancel, or an administrator)",
             "failed": f"Slurm: {info.slurm_state}",
         }.get(info.state)
-    gone = 0
-    try:
-        gone = open_registry(rec.registry).deregister_job(rec.experiment, rec.trial, rec.marker)
-    except (ArealError, OSError) as e:
-        if left is not None:  # the entries' leases (or heartbeats) run out anyway
-            why = getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
-            left.append(f"the job's registry entries in {rec.registry} were not removed "
-                        f"({why}); they expire with their lease or heartbeat (the TTL)")  # fmt: skip
-    sweep(rec.marker)
-    _resume_servers(rec)
-    records.write(home, rec)
-    return gone
-
-
-def _resume_servers(rec: SlurmRecord) -> None:
-    """What the job's trainers left paused (its plan says which servers they used)."""
-    if rec.kind == "serve":
-        return
-    from areal_cli.schedulers.common import resume_left_paused
-    from areal_cli.spec import Plan
-
-    try:
-        plan = Plan.from_json(json.loads((Path(rec.run_dir) / PLAN_FILE).read_text()))
-    except (OSError, ValueError, TypeError):
-        return
-    resume_left_paused(plan)
-
-
-def sweep(marker: str) -> int:
-    """Processes of an ended job still running on this host (a task Slurm lost track of)."""
-    from areal_cli import procs
-
-    return procs.kill_job(marker, grace=3.0)
-
-
-def _read_code(path: Path) -> int | None:
-    try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
-        return None
+    return leave_nothing(rec, home, records, PLAN_FILE, left)
 
 
 def cancel(rec: SlurmRecord, home: Path, timeout: float, reason: str) -> cluster.JobInfo | None:
@@ -325,33 +225,6 @@ def cancel(rec: SlurmRecord, home: Path, timeout: float, reason: str) -> cluster
 # -- watching one job from `areal` -----------------------------------------------------------
 
 
-def _follow(plan: SlurmPlan, on_line, stop: threading.Event) -> threading.Thread:
-    """Feed the job's new log lines to `on_line` until `stop`: its own roles only (a training
-    job's terminal shows no serving job's lines), and of files that already exist only what the
-    job writes (it starts them afresh)."""
-    roles = (("server",) if plan.servers else ()) + (
-        ("rank", "torchrun", "watchdog") if plan.trainers else ()
-    )
-    follower = logfiles.Follower(Path(plan.log_dir), history=None, roles=roles)
-    for label, path in logfiles.select_logs(Path(plan.log_dir)).items():
-        try:
-            follower.offsets[label] = path.stat().st_size
-        except OSError:
-            pass
-
-    def loop() -> None:
-        while True:
-            stopping = stop.wait(0.05)
-            for label, line in follower.poll():
-                on_line(label, line)
-            if stopping:
-                return
-
-    t = threading.Thread(target=loop, name="log-follower", daemon=True)
-    t.start()
-    return t
-
-
 class Watch:
     """Follows one submitted job: pending → running → servers registered → its end."""
 
@@ -377,7 +250,8 @@ class Watch:
         self._follow_stop = threading.Event()
         self._follower = None
         if on_line is not None:
-            self._follower = _follow(plan, on_line, self._follow_stop)
+            roles = ("rank", "torchrun", "watchdog")
+            self._follower = follow_logs(plan, on_line, self._follow_stop, roles)
 
     # -- phases ---------------------------------------------------------------------------
 
@@ -514,7 +388,7 @@ class Watch:
             self.on_progress(f"{len(self.ready)}/{len(self.plan.servers)} server(s) registered")
 
     def _exit_code(self, label: str) -> int | None:
-        return _read_code(self.run / f"{label}.exit")
+        return read_code(self.run / f"{label}.exit")
 
     def _failed_server(self, indices) -> int | None:
         for i in sorted(indices):
@@ -557,7 +431,7 @@ class Watch:
         if info is not None:
             update(self.rec, info)
         else:  # squeue forgot it already
-            code = _read_code(self.run / "job.exit")
+            code = read_code(self.run / "job.exit")
             self.rec.state = "stopped" if code == 0 else "failed"
             self.rec.exit_code = code
         try:

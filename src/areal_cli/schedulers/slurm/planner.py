@@ -15,25 +15,19 @@ Placement:
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from areal_cli import apikeys, backends, settings
+from areal_cli import backends
 from areal_cli.errors import UsageError
-from areal_cli.launchers import torchrun
-from areal_cli.launchers.node import NODE_ADDR
 from areal_cli.launchers.replica import PORT_TOKEN
 from areal_cli.registry import Registry
-from areal_cli.schedulers.common import (
-    areal_overrides,
-    is_loopback,
-    new_marker,
-    opened,
-    resolve_api_key,
-    worker_env,
-)
-from areal_cli.schedulers.slurm import cluster
-from areal_cli.spec import JobSpec, Plan, ProcessPlan, ServerRole
+from areal_cli.schedulers import cluster_plan
+from areal_cli.schedulers.cluster_plan import ClusterPlan
+from areal_cli.schedulers.common import opened
+from areal_cli.schedulers.job_records import slot
+from areal_cli.schedulers.slurm import cluster, records
+from areal_cli.spec import JobSpec, ProcessPlan, ServerRole
 
 
 @dataclass
@@ -68,7 +62,8 @@ class Component:
 
 
 @dataclass
-class SlurmPlan(Plan):
+class SlurmPlan(ClusterPlan):
+    process_type = SlurmProcess
     script: str = ""  # the batch script sbatch gets
     run_dir: str = ""  # the plan, the script, exit codes of its steps (on the shared filesystem)
     job_name: str = ""
@@ -83,24 +78,10 @@ class SlurmPlan(Plan):
     def nodes(self) -> int:
         return sum(c.nodes for c in self.components)
 
-    def to_json(self, redact: bool = True) -> dict:
-        d = super().to_json(redact)
-        d["placement"] = {
-            f"{p.role}-{p.index}" if p.role == "server" else "torchrun": p.placement
-            for p in self.processes
-        }
-        return d
-
     @classmethod
     def from_json(cls, d: dict) -> SlurmPlan:
-        d = {k: v for k, v in d.items() if k != "placement"}
-        d["processes"] = [SlurmProcess(**p) for p in d.get("processes", [])]
-        d["components"] = [Component(**c) for c in d.get("components", [])]
-        return cls(**d)
-
-
-def slot(kind: str) -> str:
-    return "serve" if kind == "serve" else "train"
+        components = [Component(**c) for c in d.get("components", [])]
+        return super().from_json({**d, "components": components})
 
 
 def plan(
@@ -117,23 +98,11 @@ def plan(
             hint=f"use --gpus-per-node {part.gpus_per_node} or less, or another --partition "
             "(`sinfo -o '%P %G'` lists them)",
         )
-    log_dir = settings.log_dir(home, spec.experiment, spec.trial)
     registry = opened(registry)
-    marker = new_marker(spec.experiment, spec.trial)
-    run_dir = jobs_dir(home, spec.experiment, spec.trial) / f"{slot(spec.kind)}-{marker[-8:]}"
+    trial_dir = records.trial_dir(home, spec.experiment, spec.trial)
     p = SlurmPlan(
-        experiment=spec.experiment,
-        trial=spec.trial,
-        kind=spec.kind,
-        log_dir=str(log_dir),
-        home=str(home),
-        registry=registry.url,
-        marker=marker,
-        alloc=spec.alloc,
-        health_timeout=spec.health_timeout,
+        **cluster_plan.cluster_fields(spec, home, registry, trial_dir),
         scheduler="slurm",
-        registry_ttl=settings.registry_ttl(),
-        run_dir=str(run_dir),
         job_name=f"areal-{spec.experiment}-{spec.trial}-{slot(spec.kind)}",
         partition=opts.partition,
         account=opts.account,
@@ -160,25 +129,9 @@ def plan(
     return p
 
 
-def jobs_dir(home: Path, experiment: str, trial: str) -> Path:
-    """Where the Slurm scheduler keeps a trial's records and submissions."""
-    return home / "slurm" / settings.user() / experiment / trial
-
-
 def _plan_servers(p: SlurmPlan, spec: JobSpec, part_gpus: int | None, check_packages) -> None:
-    role = spec.servers
-    backend = backends.get(role.backend)
-    # On a cluster the servers must be reachable from other nodes: the default loopback bind
-    # becomes the node's own address, found by the runner on its node.
-    if is_loopback(role.host):
-        role = replace(role, host=NODE_ADDR)
-    backend.check_bind(role)
+    role, backend = cluster_plan.server_role(spec)
     gpr = role.gpus_per_replica
-    if role.backend == "hf" and gpr != 1:
-        raise UsageError(
-            "the hf backend runs one replica per GPU (t1p1): it cannot span GPUs or nodes",
-            hint="use d to add replicas, e.g. --alloc hf:d2",
-        )
     if backend.needs_gpu and part_gpus == 0:
         raise UsageError(
             f"{role.backend} needs GPUs and the partition's nodes have none",
@@ -204,10 +157,7 @@ def _plan_servers(p: SlurmPlan, spec: JobSpec, part_gpus: int | None, check_pack
     )
     group = len(p.components)
     p.components.append(Component("server", nodes, per_node_replicas, gres))
-    key = resolve_api_key(spec.api_key)
-    if key:
-        p.api_key = key
-        p.api_key_file = str(apikeys.key_file(Path(p.home), spec.experiment, spec.trial))
+    key = cluster_plan.server_key(p, spec)
     for i in range(role.replicas):
         argv = backend.argv(role, PORT_TOKEN, key, on_gpu=with_gpus)
         follower: list[str] = []
@@ -217,17 +167,7 @@ def _plan_servers(p: SlurmPlan, spec: JobSpec, part_gpus: int | None, check_pack
             argv, follower = _multi_node(role, argv, span)
         p.processes.append(
             SlurmProcess(
-                role="server",
-                index=i,
-                argv=argv,
-                # The API key goes in the environment (the plan file is private), never in argv.
-                env={"PYTHONUNBUFFERED": "1", **backend.env(role, key)},
-                gpus=[],
-                log_path=str(Path(p.log_dir) / f"server-{i}.log"),
-                host=role.host,
-                port=None,
-                backend=role.backend,
-                health_path=backend.health_path,
+                **cluster_plan.replica_fields(p, role, backend, i, argv, backend.env(role, key)),
                 group=group,
                 node=i * span if span > 1 else i // per_node_replicas,
                 nodes=span,
@@ -235,8 +175,7 @@ def _plan_servers(p: SlurmPlan, spec: JobSpec, part_gpus: int | None, check_pack
                 follower_args=follower,
             )
         )
-    p.model_path = role.model_path + (f"@{role.revision}" if role.revision else "")
-    p.tp = role.tp
+    cluster_plan.served(p, role)
 
 
 def _device_auto(argv: list[str]) -> list[str]:
@@ -264,7 +203,6 @@ def _multi_node(role: ServerRole, argv: list[str], span: int) -> tuple[list[str]
 
 
 def _plan_trainer(p: SlurmPlan, spec: JobSpec, part_gpus: int | None, registry) -> None:
-    t = spec.trainer
     world = spec.train_dims().world_size
     per_node = spec.scheduler_opts.gpus_per_node or part_gpus or world
     if world <= per_node:
@@ -278,38 +216,7 @@ def _plan_trainer(p: SlurmPlan, spec: JobSpec, part_gpus: int | None, registry) 
         nnodes, nproc = world // per_node, per_node
     group = len(p.components)
     p.components.append(Component("trainer", nnodes, 1, nproc if part_gpus != 0 else 0))
-    env_extra: dict[str, str] = {}
-    if spec.servers:
-        # Servers of the same job: their addresses exist only once they run. Rank 0 finds
-        # them in the registry, as `areal train` does, and tells the other ranks.
-        addrs, backend, key = [], spec.servers.backend, None
-        env_extra = {
-            "AREAL_WAIT_SERVERS": f"{spec.health_timeout:g}",
-            "AREAL_MIN_SERVERS": str(spec.servers.replicas),
-        }
-    else:
-        addrs, backend = list(spec.external_servers), spec.external_backend or "sglang"
-        key = spec.external_api_key
-        p.api_key = key  # only so the plan's rendering redacts it
-    script_args = list(t.script_args)
-    if t.areal_overrides:
-        n = spec.servers.replicas if spec.servers else len(addrs)
-        script_args += areal_overrides(spec, backend, n, registry)
-    if nnodes == 1:
-        rdzv = torchrun.Rendezvous()
-    else:
-        rdzv = torchrun.Rendezvous(nnodes, endpoint=torchrun.RDZV_TOKEN, backend="c10d")
-    script = t.script if t.script == "-m" else str(Path(t.script).resolve())
-    argv = torchrun.argv(
-        t.python or sys.executable,
-        nproc,
-        [script, *script_args],
-        rendezvous=rdzv,
-        log_dir=Path(p.log_dir) / "torchrun",
-    )
-    env = worker_env(spec, t, p, addrs, backend, key, visible=None)
-    env.update(env_extra)
-    env["AREAL_SCHEDULER_NAME"] = "slurm"
+    argv, env = cluster_plan.trainer(p, spec, registry, nnodes, nproc)
     p.processes.append(
         SlurmProcess(
             role="trainer",
