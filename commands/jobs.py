@@ -9,6 +9,7 @@ import typer
 
 from areal_cli import console, settings
 from areal_cli.errors import UsageError
+from areal_cli.schedulers.api import parse_name
 
 from ._common import COLORS, HomeOpt, JsonOpt, LinePrinter, RegistryOpt
 
@@ -150,17 +151,6 @@ def _jobs_of(name: str, kind: str | None, home):
 
     exp, trial = parse_name(name)
     return schedulers.known_jobs(exp, trial, kind, home=settings.home(home))
-
-
-def parse_name(name: str) -> tuple[str, str]:
-    """'E/T' → (E, T); bad spellings are usage errors."""
-    parts = name.strip("/").split("/")
-    if len(parts) != 2 or not all(parts):
-        raise UsageError(
-            f"job name {name!r} is not EXPERIMENT/TRIAL",
-            hint="for example: areal stop default/trial0 (see `areal ps`)",
-        )
-    return parts[0], parts[1]
 
 
 STOP_HELP = """Stop a trial's jobs, every process they started and their registry entries.

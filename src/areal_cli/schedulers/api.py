@@ -29,6 +29,19 @@ EventFn = Callable[[str, dict], None]  # ("healthy", {...}), ("ready", ...), ...
 LineFn = Callable[[str, str], None]  # (label, line): "server-0", "rank-1", ...
 
 
+def parse_name(name: str) -> tuple[str, str]:
+    """'E/T' → (E, T); bad spellings are usage errors."""
+    from areal_cli.errors import UsageError
+
+    parts = name.strip("/").split("/")
+    if len(parts) != 2 or not all(parts):
+        raise UsageError(
+            f"job name {name!r} is not EXPERIMENT/TRIAL",
+            hint="for example: areal stop default/trial0 (see `areal ps`)",
+        )
+    return parts[0], parts[1]
+
+
 @dataclass(frozen=True)
 class Handle:
     scheduler: str

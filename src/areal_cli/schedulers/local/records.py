@@ -19,6 +19,7 @@ from pathlib import Path
 
 from areal_cli import settings
 from areal_cli.errors import UsageError
+from areal_cli.schedulers.api import parse_name  # noqa: F401 - where commands/key.py reads it
 
 STATES = ("starting", "running", "stopping", "stopped", "failed", "killed")
 LIVE = ("starting", "running", "stopping")
@@ -176,17 +177,6 @@ def list_all(home: Path) -> tuple[list[JobRecord], list[str]]:
             bad.append(str(path))
     records.sort(key=lambda r: r.started, reverse=True)
     return records, bad
-
-
-def parse_name(name: str) -> tuple[str, str]:
-    """'E/T' → (E, T); bad spellings are usage errors."""
-    parts = name.strip("/").split("/")
-    if len(parts) != 2 or not all(parts):
-        raise UsageError(
-            f"job name {name!r} is not EXPERIMENT/TRIAL",
-            hint="for example: areal stop default/trial0 (see `areal ps`)",
-        )
-    return parts[0], parts[1]
 
 
 def lock_slot(home: Path, experiment: str, trial: str, kind: str):
