@@ -483,7 +483,7 @@ def run_detached(sched, request, json_out: bool) -> None:
                 f"(areal stop); nothing of it is left"
             )
             raise typer.Exit(e.code) from None
-    job = sched.describe(handle)
+    job = sched.describe_ready(handle)
     servers = [
         {"addr": s.addr, "pid": s.pid, "gpus": s.gpus, "node": s.node,
          "log": f"{job.log_dir}/server-{i}.log"}

@@ -463,4 +463,10 @@ def test_the_protocol_module_speaks_this_contract(server, models):
     assert proto.parse_version(server.get(proto.VERSION_PATHS[0])[1]) == "p1"
     info = proto.parse_model_info(server.get(proto.MODEL_INFO_PATHS[0])[1])
     assert Path(info["model_path"]) == Path(models["base"])
+    # Readiness: its route answers a ready server at once, and the first request (sent only
+    # where the warm-up is off) is one the server answers.
+    assert server.get(proto.READINESS_PATH)[0] == 200 and proto.first_request() is None
+    path, body = proto.first_request([proto.WARMUP_OFF_FLAG])
+    status, reply = server.post(path, body)
+    assert status == 200 and len(proto.parse_completion(reply, "srv", None).output_ids) == 1
     server.post("/update_weight_version", {"new_version": "default"})

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from areal_cli.modelgen import create_tiny_model
 from tests.engines.engines import EngineServer, python_of
 
 pytestmark = pytest.mark.engines
@@ -24,29 +23,6 @@ pytestmark = pytest.mark.engines
 REPO = Path(__file__).resolve().parents[2]
 TRAINER = str(REPO / "tests" / "fixtures" / "scripts" / "restart_trainer.py")
 RECORD = str(REPO / "tests" / "fixtures" / "scripts" / "record_env.py")
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return create_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
-
-
-@pytest.fixture(scope="module")
-def sglang(model, tmp_path_factory):
-    srv = EngineServer.start("sglang", model, tmp_path_factory.mktemp("sglang"))
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture(scope="module")
-def vllm(model, tmp_path_factory):
-    srv = EngineServer.start("vllm", model, tmp_path_factory.mktemp("vllm"))
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 def restart(srv: EngineServer, model: Path, mode: str, method: str, weights: Path) -> dict:

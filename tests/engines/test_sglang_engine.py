@@ -27,24 +27,10 @@ PROMPT = [72, 101, 108, 108, 111]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return create_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
-
-
-@pytest.fixture(scope="module")
 def others(tmp_path_factory) -> list[Path]:
     """Same shape, other weights: what the trainer sends."""
     root = tmp_path_factory.mktemp("others")
     return [create_tiny_model(root / f"seed{i}", seed=i) for i in (1, 2)]
-
-
-@pytest.fixture(scope="module")
-def sglang(model, tmp_path_factory):
-    srv = EngineServer.start("sglang", model, tmp_path_factory.mktemp("sglang"))
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 def trainer(srv: EngineServer, model: Path, method: str, version: str, tmp: Path, shift=0.0):
@@ -68,10 +54,14 @@ def test_served_by_its_cpu_engine_and_ready_only_after_a_first_generation(sglang
     log = sglang.log()
     # srt/utils/common.py:221-224: the CPU engine, chosen by SGLANG_USE_CPU_ENGINE=1.
     assert "'device': 'cpu'" in log and "'attention_backend': 'torch_native'" in log
-    # Readiness: /health, then one tiny generation (backends.SGLang.first_request), then
-    # the registration.
-    first = log.index("POST /generate")
-    assert log.index("[replica]") > first and "registered" in log[first:]
+    # Readiness: SGLang's own warm-up generation answered (srt/entrypoints/http_server.py:
+    # 2490-2502) turns its /ready to 200, and the runner registers the server then: no
+    # generation of its own, and no /health (a second and more) before it.
+    before = log[: log.index("[replica]")]
+    ready = before.index('"GET /ready HTTP/1.1" 200')
+    assert before.count("POST /generate") == 1
+    assert '"POST /generate HTTP/1.1" 200' in before[:ready]
+    assert "GET /health" not in before and "registered" in log[ready:]
     print(f"\nsglang: areal serve ready in {sglang.seconds_to_ready:.1f} s")
 
 

@@ -29,22 +29,6 @@ PROMPT = [72, 101, 108, 108, 111]
 LONG = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "temperature": 1.0}
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    # init-model's default shape: heads of 32, the smallest vLLM's CPU attention takes
-    # (v1/attention/backends/cpu_attn.py:69-70); 16 crashed the first request.
-    return create_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
-
-
-@pytest.fixture(scope="module")
-def vllm(model, tmp_path_factory):
-    srv = EngineServer.start("vllm", model, tmp_path_factory.mktemp("vllm"))
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
 def complete(srv: EngineServer, body: dict, **kw) -> tuple[int, dict]:
     return srv.post("/v1/completions", {"return_token_ids": True, **body}, **kw)
 

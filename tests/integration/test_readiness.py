@@ -2,6 +2,8 @@
 
 - a replica is ready only once it answered one tiny generation after /health: vLLM's CPU
   build answered /health and died on its first request (head size 16);
+- SGLang's /ready turns 200 only after its own warm-up generation: readiness polls that,
+  not /health (a second and more), and sends no generation of its own;
 - discovery waits long enough for SGLang's /health, which answers after at least a second
   (srt/entrypoints/http_server.py:777-779: it sleeps 1 s before looking for its token);
 - a replica is pinned to the cores its plan gives it.
@@ -98,6 +100,68 @@ def test_a_server_that_answers_is_registered_on_its_own_cores(tmp_path):
     mine = sorted(os.sched_getaffinity(0))
     code, log, _ = run_replica(tmp_path, "ok", mine[-1:])
     assert f"cores {mine[-1:]}" in log and "registered 127.0.0.1:" in log, log
+
+
+# SGLang's readiness as 0.5.23 serves it (srt/entrypoints/http_server.py): /ready 503 until
+# its own warm-up generation was answered (here: 0.3 s after start), 200 after; /health a
+# second and more. It prints each request it gets.
+SGLANG_LIKE = r"""
+import http.server, sys, time
+port = int(sys.argv[1])
+up_at = time.monotonic() + 0.3
+class H(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def do_GET(self):
+        print("GET", self.path, flush=True)
+        if self.path == "/health":
+            time.sleep(1.2)
+        ok = time.monotonic() >= up_at
+        self.send_response(200 if ok else 503)
+        self.send_header("Content-Length", "0"); self.end_headers()
+    def do_POST(self):
+        print("POST", self.path, flush=True)
+        self.send_response(200); self.send_header("Content-Length", "2"); self.end_headers()
+        self.wfile.write(b"{}")
+http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def test_sglang_is_ready_on_its_ready_route_without_a_generation_of_ours(tmp_path):
+    # The plan as `areal serve --backend sglang` makes it: SGLang's /ready answering proves
+    # its warm-up generation was answered, so no first request (backends.SGLang).
+    from areal_cli import backends
+    from areal_cli.spec import ServerRole
+
+    role = ServerRole(backend="sglang", model_path="/m", replicas=1, python=sys.executable)
+    assert backends.get("sglang").first_request(role) is None
+    script = tmp_path / "server.py"
+    script.write_text(SGLANG_LIKE)
+    log, reg = tmp_path / "server-0.log", tmp_path / "reg"
+    plan = {
+        "experiment": "e", "trial": "t", "registry": str(reg), "marker": "m-ready",
+        "health_timeout": 30, "registry_ttl": 30, "api_key": None, "model_path": "/m",
+        "processes": [{
+            "role": "server", "index": 0, "argv": [sys.executable, str(script), "{port}"],
+            "env": {}, "gpus": [], "log_path": str(log), "host": "127.0.0.1", "port": None,
+            "backend": "sglang", "health_path": "/health", "first_request": None,
+        }],
+    }  # fmt: skip
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    runner = subprocess.Popen([sys.executable, "-m", "areal_cli.launchers.replica",
+                               str(tmp_path / "plan.json"), "--index", "0"])  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not FileRegistry(reg).list("e", "t").servers and time.monotonic() < deadline:
+            time.sleep(0.02)
+        text = log.read_text()
+        assert FileRegistry(reg).list("e", "t").servers, text
+    finally:
+        runner.terminate()
+        runner.wait(timeout=30)
+    before = text[: text.index("[replica]")]
+    assert "GET /ready" in before, text
+    assert "GET /health" not in before and "POST" not in before, text
 
 
 class _SlowHealth(http.server.BaseHTTPRequestHandler):

@@ -72,6 +72,20 @@ def test_detach_ps_logs_stop(model, areal_env, tmp_path):
     assert ps[0]["state"] == "stopped"
 
 
+def test_detach_says_ready_without_asking_the_servers_again(model, areal_env, tmp_path):
+    # Each runner registered its server once it answered /health: the command's report of
+    # the ready job asks no server a second time (SGLang's /health takes a second and more).
+    asked = tmp_path / "asked"
+    env = {"FAKE_SERVER_REQUESTS": str(asked), "AREAL_REGISTRY_TTL": "120"}
+    out = areal(*fake_serve_args(model, "--alloc", "hf:d2", "--detach", "--json"), env=env, check=0)
+    servers = json.loads(out.stdout)["servers"]
+    assert len(servers) == 2 and all(s["addr"] and s["pid"] for s in servers)
+    try:
+        assert asked.read_text().splitlines() == ["GET /health"] * 2
+    finally:
+        areal("stop", "default/trial0", check=0)
+
+
 def test_sigint_tears_down_everything(model, areal_env, tmp_path):
     home, reg = areal_env
     pidfile = tmp_path / "pids"

@@ -198,6 +198,62 @@ def test_an_engine_without_a_cpu_build_is_refused_on_a_host_without_gpus(
     assert "make engines" in info.value.hint and backends.engine_python(name) in info.value.hint
 
 
+def test_readiness_and_the_first_request_come_from_the_engines_protocol():
+    from areal_cli.backends import protocol_sglang, protocol_vllm
+
+    sglang, vllm, hf = (backends.get(n) for n in ("sglang", "vllm", "hf"))
+    # SGLang's /ready is 200 only once its own warm-up generation was answered
+    # (srt/entrypoints/http_server.py:2490-2502): no generation of ours on top of it...
+    assert sglang.ready_path == "/ready" and sglang.first_request(role("sglang")) is None
+    # ...unless its warm-up is off (:2589-2593): then one, as the client would send it.
+    off = role("sglang", extra_args=("--skip-server-warmup",))
+    path, body = protocol_sglang.generate_request([0], protocol_sglang.sampling_params(1, 0.0))
+    assert sglang.first_request(off) == [path, body] == ["/generate", body]
+    assert body["sampling_params"]["max_new_tokens"] == 1 and body["input_ids"] == [0]
+    # vLLM's /health says nothing of a forward pass: one completion, spoken as 0.32 speaks.
+    assert vllm.ready_path == "/health"
+    path, body = vllm.first_request(role("vllm"))
+    assert (path, body) == protocol_vllm.first_request()
+    assert path == "/v1/completions" and body["max_tokens"] == 1 and body["prompt"] == [0]
+    assert "return_weight_versions" not in body
+    assert hf.ready_path == "/health" and hf.first_request(role("hf")) is None
+
+
+def _counting_sglang(root, counter):
+    """An importable sglang whose sgl_kernel has a CPU helper and counts its imports."""
+    for name in ("sglang", "sgl_kernel"):
+        (root / name).mkdir(parents=True)
+    (root / "sglang" / "__init__.py").write_text("")
+    (root / "sgl_kernel" / "__init__.py").write_text(
+        f"open({str(counter)!r}, 'a').write('x')\ndef assign_req_to_token_pool_cpu(): pass\n"
+    )
+
+
+def test_a_passed_cpu_probe_is_remembered_until_the_engines_packages_change(tmp_path, monkeypatch):
+    import os
+    import sys
+
+    counter = tmp_path / "imports"
+    _counting_sglang(tmp_path / "site", counter)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    monkeypatch.setenv("AREAL_HOME", str(tmp_path / "home"))
+    sglang = backends.get("sglang")
+    for _ in range(3):
+        backends.check_installed(sglang, sys.executable, on_gpu=False)
+    # The probe imports torch with the engine's kernels (2 s and more): once.
+    assert counter.read_text() == "x"
+    kernel = tmp_path / "site" / "sgl_kernel" / "__init__.py"
+    kernel.write_text(kernel.read_text() + "# rebuilt\n")
+    os.utime(kernel, ns=(1, 1))
+    backends.check_installed(sglang, sys.executable, on_gpu=False)
+    assert counter.read_text() == "xx"  # the kernels changed: asked again
+    # A failed probe is not remembered: the venv fixed, the next serve sees it.
+    kernel.write_text("raise ImportError('libcuda.so.1: cannot open shared object file')\n")
+    for _ in range(2):
+        with pytest.raises(UsageError, match="cannot run on CPU"):
+            backends.check_installed(sglang, sys.executable, on_gpu=False)
+
+
 def test_serve_without_gpus_names_what_to_install(tmp_path):
     # The repository's own interpreter has no engine: one message, exit 2, no traceback.
     import sys

@@ -26,6 +26,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from areal_cli.backends import protocol_sglang, protocol_vllm
 from areal_cli.errors import UsageError
 from areal_cli.spec import ServerRole
 
@@ -50,11 +51,15 @@ class Backend:
     package: str  # importable module that must exist in the server's interpreter
     extra: str  # pip extra that installs it
     health_path: str = "/health"
+    # What a starting replica is polled on until it answers 200 (then `first_request`).
+    ready_path: str = "/health"
     needs_gpu: bool = True
     key_env: str = KEY_ENV  # the variable the server reads its API key from
     # Python run by the server's interpreter on a host without GPUs: prints a JSON object
     # {"ok": bool, "why": str}; empty when the engine has no CPU build at all.
     cpu_probe: str = ""
+    # Modules whose files the probe's answer depends on (besides `package`).
+    cpu_stamp: tuple[str, ...] = ()
 
     def argv(self, role: ServerRole, port: int, api_key: str | None, on_gpu: bool) -> list[str]:
         """The replica's command line; `api_key` only says whether there is one (it goes
@@ -81,9 +86,10 @@ class Backend:
         return {}
 
     def first_request(self, role: ServerRole) -> list | None:
-        """[path, JSON body] of one tiny generation that readiness sends after /health:
-        /health says nothing of the model's first forward pass (vLLM's CPU attention
-        refuses a head size only then, v1/attention/backends/cpu_attn.py:69)."""
+        """[path, JSON body] of one tiny generation that readiness sends once `ready_path`
+        answers, where that answer does not prove the model's first forward pass (vLLM's
+        CPU attention refused a head size only then); the engine's protocol module says
+        which request, and whether one is needed."""
         return None
 
     def cpu_env(self, role: ServerRole, cores: list[int]) -> dict[str, str]:
@@ -142,8 +148,9 @@ class SGLang(Backend):
         return cmd
 
     def first_request(self, role):
-        # srt/entrypoints/http_server.py `generate_request`; token id 0 is in every vocabulary.
-        return ["/generate", {"input_ids": [0], "sampling_params": _ONE_TOKEN}]
+        # None unless its warm-up is off: /ready answering proves one (protocol_sglang).
+        req = protocol_sglang.first_request(role.extra_args)
+        return list(req) if req else None
 
     def cpu_env(self, role, cores):
         # Thread binding through SGLANG_CPU_OMP_THREADS_BIND needs sgl-kernel's own ops
@@ -206,9 +213,7 @@ class VLLM(Backend):
         return {"VLLM_SERVER_DEV_MODE": "1"}
 
     def first_request(self, role):
-        # entrypoints/openai/completion/protocol.py:48-56: `model` may be left out (the
-        # served one), `prompt` may be token ids.
-        return ["/v1/completions", {"prompt": [0], "max_tokens": 1, "temperature": 0}]
+        return list(protocol_vllm.first_request(role.extra_args))
 
     def cpu_env(self, role, cores):
         env = {**super().cpu_env(role, cores), "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -239,8 +244,6 @@ class HF(Backend):
         return cmd + list(role.extra_args)
 
 
-_ONE_TOKEN = {"max_new_tokens": 1, "temperature": 0}
-
 # Run by the server's interpreter (its own virtualenv, without areal_cli): stdlib only but
 # for the engine's own imports.
 _SGLANG_CPU_PROBE = """
@@ -264,9 +267,21 @@ print(json.dumps({"ok": ok, "why": "" if ok else "its vLLM is not the CPU build 
 """
 
 BACKENDS: dict[str, Backend] = {
-    "sglang": SGLang("sglang", package="sglang", extra="sglang", cpu_probe=_SGLANG_CPU_PROBE),
+    "sglang": SGLang(
+        "sglang",
+        package="sglang",
+        extra="sglang",
+        cpu_probe=_SGLANG_CPU_PROBE,
+        cpu_stamp=("sgl_kernel",),
+        ready_path=protocol_sglang.READINESS_PATH,
+    ),
     "vllm": VLLM(
-        "vllm", package="vllm", extra="vllm", key_env="VLLM_API_KEY", cpu_probe=_VLLM_CPU_PROBE
+        "vllm",
+        package="vllm",
+        extra="vllm",
+        key_env="VLLM_API_KEY",
+        cpu_probe=_VLLM_CPU_PROBE,
+        ready_path=protocol_vllm.READINESS_PATH,
     ),
     "hf": HF("hf", package="areal_cli.server", extra="", needs_gpu=False),
 }
@@ -286,12 +301,11 @@ def check_installed(backend: Backend, python: str, on_gpu: bool = True) -> None:
     or, on a host without GPUs, when that interpreter's engine has no CPU build."""
     if backend.name == "hf" and os.path.realpath(python) == os.path.realpath(sys.executable):
         return  # our own interpreter runs our own server
-    probe = (
-        "import importlib.util, sys; "
-        f"sys.exit(0 if importlib.util.find_spec({backend.package!r}) else 3)"
-    )
+    probe = _FIND_PROBE % (backend.package, (backend.package, *backend.cpu_stamp))
     try:
-        res = subprocess.run([python, "-c", probe], capture_output=True, timeout=60, check=False)
+        res = subprocess.run(
+            [python, "-c", probe], capture_output=True, text=True, timeout=60, check=False
+        )
     except FileNotFoundError:
         raise UsageError(
             f"interpreter {python} does not exist", hint="--python takes the path of a python"
@@ -311,11 +325,19 @@ def check_installed(backend: Backend, python: str, on_gpu: bool = True) -> None:
             hint=hint if on_gpu or not backend.cpu_probe else _cpu_hint(backend),
         )
     if not on_gpu and backend.cpu_probe:
-        check_cpu_support(backend, python)
+        check_cpu_support(backend, python, stamp=res.stdout.strip())
 
 
-def check_cpu_support(backend: Backend, python: str) -> None:
-    """On a host without GPUs: refuse an interpreter whose engine cannot run on CPU."""
+def check_cpu_support(backend: Backend, python: str, stamp: str = "") -> None:
+    """On a host without GPUs: refuse an interpreter whose engine cannot run on CPU.
+
+    The probe imports the engine's kernels, and so torch: 2 s and more of every `areal
+    serve`. A passed probe is remembered under `stamp` (what the interpreter's site-packages
+    and the engine's packages look like: any install or removal there changes it); a failed
+    one is asked again each time, so a fixed venv is seen at once."""
+    key = _probe_key(backend, python, stamp)
+    if key and key in _passed_probes():
+        return
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     try:
         res = subprocess.run(
@@ -331,6 +353,61 @@ def check_cpu_support(backend: Backend, python: str) -> None:
             f"this host has no GPU, and {backend.name} in {python} cannot run on CPU: {why}",
             hint=_cpu_hint(backend),
         )
+    if key:
+        _remember_probe(key)
+
+
+# Run by the server's interpreter: exit 3 when the package is missing; else print what its
+# site-packages (an install or removal changes their mtimes) and the named modules' files
+# look like, without importing them.
+_FIND_PROBE = """
+import importlib.util, json, os, site, sys
+if not importlib.util.find_spec(%r):
+    sys.exit(3)
+def stat(p):
+    try:
+        st = os.stat(p)
+        return [p, st.st_mtime_ns, st.st_size]
+    except OSError:
+        return [p, None, None]
+out = [sys.version, [stat(d) for d in site.getsitepackages()]]
+for name in %r:
+    spec = importlib.util.find_spec(name)
+    origin = spec and spec.origin
+    out.append([name, stat(origin) if origin else None])
+print(json.dumps(out))
+"""
+_PROBE_CACHE = "cpu-probes.json"
+
+
+def _probe_key(backend: Backend, python: str, stamp: str) -> str | None:
+    if not stamp.startswith("["):
+        return None  # an interpreter that said nothing of itself: ask it each time
+    import hashlib
+
+    text = "\0".join([backend.name, backend.cpu_probe, os.path.realpath(python), stamp])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _passed_probes() -> list[str]:
+    from areal_cli import settings
+
+    try:
+        got = json.loads((settings.home() / _PROBE_CACHE).read_text())
+        return [k for k in got if isinstance(k, str)] if isinstance(got, list) else []
+    except (OSError, ValueError):
+        return []
+
+
+def _remember_probe(key: str) -> None:
+    from areal_cli import files, settings
+
+    keys = [k for k in _passed_probes() if k != key][-31:] + [key]
+    try:
+        settings.home().mkdir(parents=True, exist_ok=True)
+        files.write_atomic(settings.home() / _PROBE_CACHE, json.dumps(keys))
+    except (OSError, files.DiskFull):
+        pass  # only the next start pays the probe again
 
 
 def _cpu_hint(backend: Backend) -> str:

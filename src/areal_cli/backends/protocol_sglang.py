@@ -49,6 +49,21 @@ END_UPDATE_PATH = "/end_weight_update"
 RELEASE_OWNER_PATH = "/release_weight_owner"
 # Whether a control route's 404 means a server started without its dev routes.
 NOT_FOUND_HINT = None
+# Its weights move over a torch.distributed group that the trainer and the servers join
+# (the routes above), not over a transfer engine of the server's own.
+NATIVE_WEIGHT_TRANSFER = False
+
+# Readiness (sglang 0.5.23, srt/entrypoints/http_server.py). /health answers 503 while the
+# server's status is Starting (:735-736), and after that runs a one-token generation and
+# sleeps a second before it looks for the token (:750-784): never under a second. The
+# status turns Up only once the server's own warm-up, an 8-token /generate, was answered
+# 200 (`_execute_server_warmup`, :2490-2502; a failed warm-up kills the server,
+# :2531-2535), and /ready is 200 exactly while the status is Up and nothing paused it
+# (:714-718, managers/tokenizer_manager.py:729-735). So /ready turning 200 proves a
+# generation was answered, at once: readiness polls it and sends no generation of its own,
+# unless the warm-up is turned off (then the status turns Up without one, :2589-2593).
+READINESS_PATH = READY_PATH
+WARMUP_OFF_FLAG = "--skip-server-warmup"
 
 
 def sampling_params(
@@ -81,6 +96,14 @@ def generate_request(
 ) -> tuple[str, dict]:
     """The /generate request; SGLang needs no model name and always says versions."""
     return "/generate", {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True}
+
+
+def first_request(engine_args: Sequence[str] = ()) -> tuple[str, dict] | None:
+    """The one tiny generation readiness sends after READINESS_PATH answers, or None where
+    that answer already proves one (see READINESS_PATH). Token id 0 is in every vocabulary."""
+    if WARMUP_OFF_FLAG not in engine_args:
+        return None
+    return generate_request([0], sampling_params(max_new_tokens=1, temperature=0.0))
 
 
 def parse_completion(data: Any, addr: str, known_version: str | None) -> Completion:

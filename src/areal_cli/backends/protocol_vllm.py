@@ -10,9 +10,11 @@ OpenAI-style `POST /v1/completions` with a token-id prompt, token ids returned a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from areal_cli.backends.protocol import Completion, spans, version_str
+from areal_cli.backends.protocol_sglang import sampling_params
 
 FAMILY = "vllm"
 PAUSE_MODES = ("keep", "abort", "wait")  # vllm/v1/engine/__init__.py:33
@@ -49,6 +51,25 @@ NOT_FOUND_HINT = (
     "vLLM serves its control routes only with VLLM_SERVER_DEV_MODE=1 in its "
     "environment (areal serve sets it)"
 )
+# Its weights move over its own weight-transfer engine (the routes above: a communicator of
+# its own, NCCL only, one rank per worker of /get_world_size), not a torch group.
+NATIVE_WEIGHT_TRANSFER = True
+# It has no owner of its weights to give back (areal's hf server has, for one trainer at a
+# time).
+RELEASE_OWNER_PATH = None
+# Readiness: /health is 200 once the engine is up (it asks the engine whether it is
+# alive, entrypoints/serve/instrumentator/health.py:22-33) and says nothing of a forward pass: the CPU build's attention
+# refused a head size of 16 only on the first request, after /health said 200
+# (v1/attention/backends/cpu_attn.py:69). So readiness sends one tiny completion too.
+READINESS_PATH = "/health"
+
+
+def first_request(engine_args: Sequence[str] = ()) -> tuple[str, dict] | None:
+    """One greedy token of prompt [0] (token id 0 is in every vocabulary), the served model
+    (`model` may be null, openai/completion/protocol.py:48-56); spoken as 0.32 speaks it."""
+    return generate_request(
+        [0], sampling_params(max_new_tokens=1, temperature=0.0), None, with_spans=False
+    )
 
 
 def has_spans(engine_version: tuple[int, ...] | None) -> bool:

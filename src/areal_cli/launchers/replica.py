@@ -9,9 +9,12 @@ and put back when it answers again; a server that exits is deregistered and the 
 exits with its code. Every scheduler runs replicas this way (local processes, Slurm steps),
 so a server's liveness never depends on a supervisor being scheduled.
 
-Ready means more than /health: the plan's `first_request` (one tiny generation) must be
-answered too, since an engine can pass /health and die on its first forward pass. A plan's
-`cpus` pin the server to those cores (an engine's CPU build; replicas on cores of their own).
+Ready means a generation was answered: the runner polls the backend's readiness route
+(SGLang's /ready, which turns 200 only once the engine's own warm-up generation was
+answered; /health elsewhere) and then sends the plan's `first_request` (one tiny
+generation) where there is one, since an engine can pass /health and die on its first
+forward pass (vLLM's CPU build did). A plan's `cpus` pin the server to those cores (an
+engine's CPU build; replicas on cores of their own).
 
 Exit codes: the server's own (128+signal when killed by one), 3 when it never became
 healthy in time or failed its first request, 2 for a bad plan.
@@ -42,6 +45,9 @@ PORT_TOKEN = "{port}"  # in argv, replaced by the port chosen on the node
 UNHEALTHY_AFTER = 2
 # The first generation may still compile or warm kernels on a CPU build.
 FIRST_REQUEST_TIMEOUT = 180.0
+# Readiness polls back off to this (seconds): what it adds to the time to ready is at most
+# itself, and each poll of a starting engine costs it a request and a line of its access log.
+READY_POLL_CAP = 0.05
 # Seconds a stopping runner waits for its deregistration before it stops the server anyway.
 DEREGISTER_WAIT = 1.0
 
@@ -165,16 +171,24 @@ class Replica:
 
     def _wait_healthy(self, host: str, port: int) -> bool:
         deadline = time.monotonic() + float(self.plan["health_timeout"])
+        path = self._ready_path()
         delay = 0.005
         while not self.stop.is_set() and time.monotonic() < deadline:
             if self.server.poll() is not None:
                 return False
-            if probe_health(host, port, self.p["health_path"], self.key, timeout=PROBE_TIMEOUT):
+            if probe_health(host, port, path, self.key, timeout=PROBE_TIMEOUT):
                 return True
-            # Backoff capped near 100 ms: quick to notice readiness, cheap while loading.
-            self.stop.wait(min(delay, 0.1))
+            self.stop.wait(min(delay, READY_POLL_CAP))
             delay *= 2
         return False
+
+    def _ready_path(self) -> str:
+        """The backend's readiness route (SGLang's /ready answers at once where its /health
+        takes a second; backends/protocol_sglang.py READINESS_PATH), else the plan's."""
+        from areal_cli import backends
+
+        backend = backends.BACKENDS.get(self.p.get("backend") or "")
+        return backend.ready_path if backend else self.p["health_path"]
 
     def _first_request(self, host: str, port: int) -> str | None:
         """Why the plan's first request failed, or None when it was answered (or there is

@@ -186,6 +186,13 @@ class Scheduler(ABC):
     @abstractmethod
     def describe(self, handle: Handle) -> JobStatus | None: ...
 
+    def describe_ready(self, handle: Handle) -> JobStatus | None:
+        """The job that `schedule(detach=True)` just returned as ready. Its servers were
+        proven healthy a moment ago (a runner registers its server only then): a scheduler
+        that can say so from its records, without asking each server again (SGLang's
+        /health takes a second and more), does."""
+        return self.describe(handle)
+
     @abstractmethod
     def list(self, include_ended: bool = False) -> list[JobStatus]: ...
 

@@ -368,7 +368,7 @@ class _Transfer:
     backend: str
     world_size: int
     group: Any = None  # weight_group.Group, or vLLM's communicator
-    vllm: bool = False
+    native: bool = False  # over the servers' own transfer engine (vLLM's), not a torch group
     dtype: str | None = None  # what the servers hold their weights in, when they say
     sent_meta: Any = None  # vLLM: the metadata its servers already hold
     # Each server's instance id when the group was made: another one at the same address
@@ -406,16 +406,13 @@ def release(client: RolloutClient) -> None:
     destroy: list[tuple[str, str, dict]] = []
     if transfer is not None:
         for addr in transfer.servers:
-            if transfer.vllm:
+            if transfer.native:
                 destroy.append((addr, _vllm.SHUTDOWN_TRANSFER_PATH, {}))
             else:
                 destroy.append((addr, _sglang.DESTROY_GROUP_PATH, {"group_name": transfer.name}))
     # After the groups are gone: a request about the group would take ownership again.
-    give_up = (
-        []
-        if client.backend == "vllm"
-        else [(addr, _sglang.RELEASE_OWNER_PATH, {}) for addr in client.servers]
-    )
+    release_path = client.protocol.RELEASE_OWNER_PATH
+    give_up = [(addr, release_path, {}) for addr in client.servers] if release_path else []
     headers = {"Content-Type": "application/json", **client.headers}
     for calls in (destroy, give_up):
         # Plain threads: an executor takes no work once the interpreter is exiting.
@@ -601,7 +598,7 @@ async def _send_once(
     servers = transfer.servers
     try:
         await client.pause(pause_mode, servers)
-        if transfer.vllm:
+        if transfer.native:
             await _send_vllm(client, transfer, tensors, version, timeout)
         else:
             await _send_sglang(client, transfer, tensors, version, bucket_bytes, timeout, flatten)
@@ -746,7 +743,7 @@ async def _abandon(
     skip = set(skip) | {s.addr for s in client.pool if s.down_until > now}
 
     async def one(s: Any) -> None:
-        if transfer.vllm:
+        if transfer.native:
             await client.send(s, "POST", _vllm.SHUTDOWN_TRANSFER_PATH, {}, 10)
             return
         await client.send(s, "POST", _sglang.DESTROY_GROUP_PATH,
@@ -825,11 +822,11 @@ async def _ensure_transfer(
     if old is not None:
         await _abandon(client, old)
 
-    vllm = client.backend == "vllm"
-    sizes = [_ranks(infos[a], vllm) for a in servers]
+    native = client.protocol.NATIVE_WEIGHT_TRANSFER
+    sizes = [_ranks(infos[a], native) for a in servers]
     world = 1 + sum(sizes)
     offsets = [1 + sum(sizes[:i]) for i in range(len(servers))]
-    backend = _backend(infos, servers, vllm)
+    backend = _backend(infos, servers, native)
     name = f"areal-weights-{uuid.uuid4().hex[:12]}"
     master = _local_address(servers[0])
     transfer = _Transfer(
@@ -837,11 +834,11 @@ async def _ensure_transfer(
         servers=servers,
         backend=backend,
         world_size=world,
-        vllm=vllm,
+        native=native,
         dtype=_serving_dtype(infos, servers),
         instances={a: infos[a].get("instance_id") for a in servers},
     )
-    if vllm:
+    if native:
         await _init_vllm(client, transfer, master, offsets, timeout)
     else:
         await _init_sglang(client, transfer, master, offsets, timeout)
@@ -988,8 +985,8 @@ async def _init_vllm(
         raise
 
 
-def _ranks(info: dict, vllm: bool) -> int:
-    if vllm:
+def _ranks(info: dict, native: bool) -> int:
+    if native:
         return int(info["world_size"])
     if int(info.get("dp_size") or 1) != 1:
         # SGLang asserts it (srt/managers/tokenizer_control_mixin.py:451-453).
@@ -997,12 +994,12 @@ def _ranks(info: dict, vllm: bool) -> int:
     return int(info.get("tp_size") or 1) * int(info.get("pp_size") or 1)
 
 
-def _backend(infos: dict[str, dict], servers: list[str], vllm: bool) -> str:
+def _backend(infos: dict[str, dict], servers: list[str], native: bool) -> str:
     """nccl when this trainer and every server are on GPUs, gloo otherwise (SGLang passes
     the string to torch unchecked; AReaL's CPU platform sends gloo)."""
     import torch
 
-    if vllm:
+    if native:
         return "nccl"
     on_gpu = all(str(infos[a].get("device", "cuda")).startswith("cuda") for a in servers)
     return "nccl" if on_gpu and torch.cuda.is_available() else "gloo"

@@ -129,6 +129,12 @@ class LocalScheduler(Scheduler):
             return None
         return self._statuses([records.read(path)], include_ended=True)[0]
 
+    def describe_ready(self, handle: Handle) -> JobStatus | None:
+        path = records.record_path(self.home, handle.experiment, handle.trial, handle.kind)
+        if not path.exists():
+            return None
+        return self._statuses([records.read(path)], include_ended=True, probe=False)[0]
+
     def list(self, include_ended: bool = False) -> list[JobStatus]:
         recs, bad = records.list_all(self.home)
         out = self._statuses(recs, include_ended)
@@ -140,7 +146,11 @@ class LocalScheduler(Scheduler):
             )
         return out
 
-    def _statuses(self, recs: list[records.JobRecord], include_ended: bool) -> list[JobStatus]:
+    def _statuses(
+        self, recs: list[records.JobRecord], include_ended: bool, probe: bool = True
+    ) -> list[JobStatus]:
+        """probe=False: a server its runner registered (the supervisor then recorded its
+        pid) counts as healthy and not paused, unasked."""
         rows = []
         for rec in recs:
             state = rec.state
@@ -159,7 +169,10 @@ class LocalScheduler(Scheduler):
         ]
         health: dict[str, bool] = {}
         paused: dict[str, bool] = {}
-        if probes:
+        if not probe:
+            health = {p.addr: True for rec, _ in rows for p in rec.processes
+                      if p.role == "server" and p.addr in probes and p.server_pid}  # fmt: skip
+        elif probes:
             from concurrent.futures import ThreadPoolExecutor
 
             from areal_cli import discovery  # threads and http.client: only to probe servers
