@@ -9,6 +9,12 @@ and the median of the
 per-pair ratios counts, so background load hurts both alike.
 
 Prints `rollout_client_throughput: <client / baseline>`; exits 1 below the target (0.8).
+
+With the SGLang CPU build (`make engines`), the same against real SGLang (one replica of the
+tiny model under `areal serve`): the baseline posts the very requests the client sends
+(built by backends/protocol_sglang.py, 16 tokens each, ignore_eos so both sides generate
+alike) and decodes the JSON. Prints `rollout_client_throughput[sglang]` (target 0.95);
+without the build, a skip line.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import sys
 import time
 
 TARGET = 0.8
+TARGET_SGLANG = 0.95
 MAX_NEW_TOKENS = 16
 
 
@@ -105,16 +112,98 @@ async def client_round(addr: str, prompts: list[list[int]], concurrency: int) ->
     return len(prompts) / elapsed
 
 
+async def raw_engine_round(addr: str, prompts: list[list[int]], concurrency: int) -> float:
+    """The client's own requests (protocol_sglang builds them), posted with bare aiohttp."""
+    import aiohttp
+
+    from areal_cli.backends import protocol_sglang as proto
+
+    sampling = proto.sampling_params(MAX_NEW_TOKENS, ignore_eos=True)
+    sem = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as s:
+
+        async def one(ids: list[int]) -> list[int]:
+            path, payload = proto.generate_request(ids, sampling)
+            async with sem, s.post(f"http://{addr}{path}", json=payload) as resp:
+                return (await resp.json())["output_ids"]
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(p) for p in prompts))
+        elapsed = time.perf_counter() - t0
+    assert all(len(r) == MAX_NEW_TOKENS for r in results), results[0]
+    return len(prompts) / elapsed
+
+
+async def client_engine_round(addr: str, prompts: list[list[int]], concurrency: int) -> float:
+    from areal_cli.worker.rollout import RolloutClient
+
+    async with RolloutClient([addr], backend="sglang", max_concurrency=concurrency) as client:
+        t0 = time.perf_counter()
+        groups = await client.generate_batch(
+            prompts, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True
+        )
+        elapsed = time.perf_counter() - t0
+    assert all(len(g[0].output_ids) == MAX_NEW_TOKENS for g in groups)
+    return len(prompts) / elapsed
+
+
+def sglang_case(requests: int, concurrency: int, rounds: int) -> bool:
+    """RolloutClient ÷ bare aiohttp against real SGLang, interleaved pairs, median ratio."""
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _engines import sglang_python, sglang_server
+
+    from areal_cli.modelgen import create_tiny_model
+
+    if sglang_python() is None:
+        print("rollout_client_throughput[sglang]: skipped (no SGLang build; `make engines`)")
+        return True
+    with tempfile.TemporaryDirectory() as tmp:
+        model = create_tiny_model(Path(tmp) / "tiny", seed=0)
+        with sglang_server(model, Path(tmp)) as addr:
+            prompts = _prompts(requests)
+            raw, ours = [], []
+
+            async def bench() -> None:
+                await raw_engine_round(addr, prompts[:32], concurrency)  # warm up both sides
+                await client_engine_round(addr, prompts[:32], concurrency)
+                for i in range(rounds):
+                    pair = [raw_engine_round, client_engine_round][:: -1 if i % 2 else 1]
+                    for fn in pair:
+                        (raw if fn is raw_engine_round else ours).append(
+                            await fn(addr, prompts, concurrency)
+                        )
+
+            asyncio.run(bench())
+    ratio = statistics.median(o / r for o, r in zip(ours, raw, strict=True))
+    print(
+        f"  SGLang, raw aiohttp: {statistics.median(raw):.1f} req/s · RolloutClient: "
+        f"{statistics.median(ours):.1f} req/s (medians of {len(raw)} rounds of {requests}, "
+        f"{concurrency} at once, {MAX_NEW_TOKENS} tokens each; load {os.getloadavg()[0]:.1f})"
+    )
+    print(f"rollout_client_throughput[sglang]: {ratio:.3f}   (target >= {TARGET_SGLANG})")
+    return ratio >= TARGET_SGLANG
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=600)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--sglang-requests", type=int, default=64)
+    parser.add_argument("--sglang-concurrency", type=int, default=16)
+    parser.add_argument("--sglang-rounds", type=int, default=6)
+    parser.add_argument("--only-sglang", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve(args.serve)
         return 0
+    engine_ok = sglang_case(args.sglang_requests, args.sglang_concurrency, args.sglang_rounds)
+    if args.only_sglang:
+        return 0 if engine_ok else 1
 
     port = _free_port()
     proc = subprocess.Popen(
@@ -158,7 +247,7 @@ def main() -> int:
         f"RolloutClient: {statistics.median(ours):.0f} req/s (medians of {len(raw)} rounds)"
     )
     print(f"rollout_client_throughput: {ratio:.3f}")
-    return 0 if ratio >= TARGET else 1
+    return 0 if ratio >= TARGET and engine_ok else 1
 
 
 if __name__ == "__main__":

@@ -11,6 +11,11 @@ disk, in one run.
    MB/s of each, and `weight_sync_distributed_over_disk` (target <= 0.5).
 2. The GRPO example (tiny model, two FSDP ranks, one hf server) runs a few steps with each
    method; prints the share of the step time spent syncing weights (medians over steps).
+3. With the SGLang CPU build (`make engines`): the same alternation against one real SGLang
+   replica under `areal serve` (its distributed update over gloo, tensor by tensor; its disk
+   update reloading the checkpoint), for the tiny model and for the ~100M one; prints
+   `weight_sync_distributed_over_disk[sglang,tiny|100M]` (target <= 0.5 each). Without the
+   build, skip lines. `--only-sglang` runs this part alone.
 """
 
 from __future__ import annotations
@@ -41,8 +46,9 @@ from transformers import AutoModelForCausalLM
 from areal_cli.worker.rollout import RolloutClient
 from areal_cli.worker.weights import sync_weights
 model_dir, servers, rounds, out_dir = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]), sys.argv[4]
+backend = sys.argv[5] if len(sys.argv) > 5 else "hf"
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-client = RolloutClient(servers, backend="hf")
+client = RolloutClient(servers, backend=backend)
 def once(method, k):
     with torch.no_grad():
         for p in model.parameters():
@@ -103,27 +109,22 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def sync_benchmark(root: Path, hidden: int, layers: int, rounds: int) -> bool:
-    from areal_cli.modelgen import create_tiny_model, model_summary
+def _m100(root: Path, hidden: int, layers: int) -> Path:
+    from areal_cli.modelgen import create_tiny_model
 
-    model = create_tiny_model(root / "m100", hidden_size=hidden, num_layers=layers,
-                              num_heads=12, num_kv_heads=4, intermediate_size=2048)  # fmt: skip
-    params = model_summary(model)["params"]
-    print(f"model: {params / 1e6:.1f}M parameters (float32), 2 hf replicas", flush=True)
-    servers = [_serve(model, root / f"server-{i}.log") for i in range(2)]
-    try:
-        for proc, addr in servers:
-            _wait_healthy(addr, proc)
-        addrs = ",".join(addr for _, addr in servers)
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        res = subprocess.run(
-            [sys.executable, "-c", TRAINER, str(model), addrs, str(rounds), str(root / "ckpt")],
-            capture_output=True, text=True, env=env, timeout=3600,
-        )  # fmt: skip
-        if res.returncode != 0:
-            raise SystemExit(f"trainer failed:\n{res.stderr[-3000:]}")
-    finally:
-        _stop([p for p, _ in servers])
+    return create_tiny_model(root / "m100", hidden_size=hidden, num_layers=layers,
+                             num_heads=12, num_kv_heads=4, intermediate_size=2048)  # fmt: skip
+
+
+def _alternate(root: Path, model: Path, addrs: str, rounds: int, backend: str, what: str):
+    """Run the trainer; print and return the median seconds of each method."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(
+        [sys.executable, "-c", TRAINER, str(model), addrs, str(rounds), str(root / "ckpt"),
+         backend], capture_output=True, text=True, env=env, timeout=3600,
+    )  # fmt: skip
+    if res.returncode != 0:
+        raise SystemExit(f"trainer failed:\n{res.stderr[-3000:]}")
     lines = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
     warmup = lines[0]["warmup"]
     by = {m: [x for x in lines[1:] if x["method"] == m] for m in ("distributed", "disk")}
@@ -131,10 +132,54 @@ def sync_benchmark(root: Path, hidden: int, layers: int, rounds: int) -> bool:
     mb = {m: by[m][0]["bytes"] / 1e6 for m in by}
     print(f"distributed first sync (builds the group): {warmup['seconds']:.2f}s", flush=True)
     for m in ("distributed", "disk"):
-        print(f"{m}: median {med[m]:.2f}s of {len(by[m])}, {mb[m]:.0f} MB per sync, "
-              f"{mb[m] / med[m]:.0f} MB/s (to each of 2 replicas)", flush=True)  # fmt: skip
+        print(f"{m}: median {med[m]:.3f}s of {len(by[m])}, {mb[m]:.1f} MB per sync, "
+              f"{mb[m] / med[m]:.0f} MB/s ({what})", flush=True)  # fmt: skip
+    return med
+
+
+def sync_benchmark(root: Path, hidden: int, layers: int, rounds: int) -> bool:
+    from areal_cli.modelgen import model_summary
+
+    model = _m100(root, hidden, layers)
+    params = model_summary(model)["params"]
+    print(f"model: {params / 1e6:.1f}M parameters (float32), 2 hf replicas", flush=True)
+    servers = [_serve(model, root / f"server-{i}.log") for i in range(2)]
+    try:
+        for proc, addr in servers:
+            _wait_healthy(addr, proc)
+        addrs = ",".join(addr for _, addr in servers)
+        med = _alternate(root, model, addrs, rounds, "hf", "to each of 2 replicas")
+    finally:
+        _stop([p for p, _ in servers])
     ratio = med["distributed"] / med["disk"]
     return report("weight_sync_distributed_over_disk", ratio, f"<= {TARGET}", ratio <= TARGET)
+
+
+def sglang_benchmark(root: Path, hidden: int, layers: int, rounds: int) -> bool:
+    """Distributed ÷ disk against one real SGLang replica: the tiny model, then ~100M."""
+    from _engines import sglang_python, sglang_server
+
+    from areal_cli.modelgen import create_tiny_model, model_summary
+
+    cases = [("tiny", lambda: create_tiny_model(root / "tiny-sglang", seed=0)),
+             ("100M", lambda: _m100(root / "sglang", hidden, layers))]  # fmt: skip
+    if sglang_python() is None:
+        for name, _ in cases:
+            print(f"weight_sync_distributed_over_disk[sglang,{name}]: skipped (no SGLang "
+                  "build; `make engines`)")  # fmt: skip
+        return True
+    ok = True
+    for name, make in cases:
+        model = make()
+        params = model_summary(model)["params"]
+        print(f"model {name}: {params / 1e6:.2f}M parameters (float32), 1 SGLang replica "
+              f"(load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+        with sglang_server(model, root / f"sglang-{name}", trial=f"sync-{name}") as addr:
+            med = _alternate(root / f"sglang-{name}", model, addr, rounds, "sglang", "SGLang")
+        ratio = med["distributed"] / med["disk"]
+        ok &= report(f"weight_sync_distributed_over_disk[sglang,{name}]", ratio,
+                     f"<= {TARGET}", ratio <= TARGET)  # fmt: skip
+    return ok
 
 
 def grpo_benchmark(root: Path, steps: int) -> None:
@@ -172,11 +217,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--grpo-steps", type=int, default=10)
+    ap.add_argument("--only-sglang", action="store_true")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
     try:
-        ok = sync_benchmark(root, args.hidden, args.layers, args.rounds)
-        grpo_benchmark(root, args.grpo_steps)
+        ok = sglang_benchmark(root, args.hidden, args.layers, args.rounds)
+        if not args.only_sglang:
+            ok &= sync_benchmark(root, args.hidden, args.layers, args.rounds)
+            grpo_benchmark(root, args.grpo_steps)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     sys.exit(0 if ok else 1)

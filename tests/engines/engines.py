@@ -65,9 +65,15 @@ class EngineServer:
                 str(python_of(engine)), "--experiment", experiment, "--trial", trial,
                 "--api-key", api_key, "--detach", "--json", *extra]  # fmt: skip
         started = time.monotonic()
-        res = run_areal(home, registry, *args, timeout=timeout)
-        took = time.monotonic() - started
-        srv = cls(engine, home, registry, experiment, trial, "", None, Path(), took)
+        srv = cls(engine, home, registry, experiment, trial, "", None, Path(), 0.0)
+        try:
+            res = run_areal(home, registry, *args, timeout=timeout)
+        except BaseException:
+            # Interrupted while the engine loads (pytest's timeout, Ctrl-C): the detached
+            # job lives on without the command, and would hold its 3 GB past the test.
+            srv.stop()
+            raise
+        srv.seconds_to_ready = time.monotonic() - started
         if res.returncode != 0:
             srv.stop()
             logs = "\n".join(p.read_text(errors="replace")[-3000:]
