@@ -97,12 +97,11 @@ def served(p: Plan, role: ServerRole) -> None:
     p.tp = role.tp
 
 
-def trainer(
-    p: Plan, spec: JobSpec, registry: Registry, nnodes: int, nproc: int
-) -> tuple[list[str], dict[str, str]]:
-    """The torchrun each of the `nnodes` training nodes runs (`nproc` ranks; several nodes
-    meet at a port the first picks), and the workers' environment. GPUs are bound on the node
-    (CUDA_VISIBLE_DEVICES is not the plan's)."""
+def trainer_fields(p: Plan, spec: JobSpec, registry: Registry, nnodes: int, nproc: int) -> dict:
+    """The trainers' process, but for where it runs: the torchrun each of the `nnodes`
+    training nodes runs (`nproc` ranks; several nodes meet at a port the first picks), the
+    workers' environment, one log per node. GPUs are bound on the node (no
+    CUDA_VISIBLE_DEVICES in the plan)."""
     t = spec.trainer
     env_extra: dict[str, str] = {}
     if spec.servers:
@@ -136,4 +135,5 @@ def trainer(
     env = worker_env(spec, t, p, addrs, backend, key, visible=None)
     env.update(env_extra)
     env["AREAL_SCHEDULER_NAME"] = p.scheduler
-    return argv, env
+    log_path = str(Path(p.log_dir) / "torchrun-{node}.log")
+    return dict(role="trainer", index=0, argv=argv, env=env, gpus=[], log_path=log_path)

@@ -144,18 +144,13 @@ def _plan_trainer(p: RayPlan, spec: JobSpec, nodes, registry) -> None:
         )
     nnodes = world // per_node
     # CUDA_VISIBLE_DEVICES: the bundle's GPUs, set on the node (actor.Step.start).
-    argv, env = cluster_plan.trainer(p, spec, registry, nnodes, per_node)
-    env.setdefault("OMP_NUM_THREADS", "1" if not p.with_gpus else "4")
+    fields = cluster_plan.trainer_fields(p, spec, registry, nnodes, per_node)
+    fields["env"].setdefault("OMP_NUM_THREADS", "1" if not p.with_gpus else "4")
     need = {"GPU": float(per_node), "CPU": 1.0} if p.with_gpus else {"CPU": float(per_node)}
     p.strategy = "STRICT_SPREAD" if nnodes > 1 else "STRICT_PACK"
     p.processes.append(
         RayProcess(
-            role="trainer",
-            index=0,
-            argv=argv,
-            env=env,
-            gpus=[],
-            log_path=str(Path(p.log_dir) / "torchrun-{node}.log"),
+            **fields,
             nodes=nnodes,
             resources=need,
         )

@@ -216,15 +216,9 @@ def _plan_trainer(p: SlurmPlan, spec: JobSpec, part_gpus: int | None, registry) 
         nnodes, nproc = world // per_node, per_node
     group = len(p.components)
     p.components.append(Component("trainer", nnodes, 1, nproc if part_gpus != 0 else 0))
-    argv, env = cluster_plan.trainer(p, spec, registry, nnodes, nproc)
     p.processes.append(
         SlurmProcess(
-            role="trainer",
-            index=0,
-            argv=argv,
-            env=env,
-            gpus=[],
-            log_path=str(Path(p.log_dir) / "torchrun-{node}.log"),
+            **cluster_plan.trainer_fields(p, spec, registry, nnodes, nproc),
             group=group,
             node=0,
             nodes=nnodes,
