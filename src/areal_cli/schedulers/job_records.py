@@ -16,6 +16,21 @@ from areal_cli.errors import UsageError
 from areal_cli.schedulers.api import LIVE
 
 
+def write_record(path: Path, text: str, reserve: bool | None = None) -> None:
+    """A job record written whole (files.write_atomic; `reserve` as there); a full disk or a
+    home that cannot be written is one message."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        files.write_atomic(path, text, reserve=reserve)
+    except OSError as e:
+        if files.is_full(e):
+            raise files.disk_full(path, e) from None
+        raise UsageError(
+            f"cannot write the job record {path}: {e.strerror or e}",
+            hint="pick a writable --home (or AREAL_HOME)",
+        ) from None
+
+
 def slot(kind: str) -> str:
     """The trial's slot a job of `kind` takes: its serving job, or its training job."""
     return "serve" if kind == "serve" else "train"
@@ -76,17 +91,8 @@ class JobRecords(Generic[R]):
 
     def write(self, home: Path, rec: R) -> None:
         rec.updated = time.time()
-        p = self.path(home, rec.experiment, rec.trial, rec.kind)
-        try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            files.write_atomic(p, json.dumps(asdict(rec), indent=2))
-        except OSError as e:
-            if files.is_full(e):
-                raise files.disk_full(p, e) from None
-            raise UsageError(
-                f"cannot write the job record {p}: {e.strerror or e}",
-                hint="pick a writable --home (or AREAL_HOME)",
-            ) from None
+        write_record(self.path(home, rec.experiment, rec.trial, rec.kind),
+                     json.dumps(asdict(rec), indent=2))  # fmt: skip
 
     def read(self, p: Path) -> R | None:
         try:

@@ -108,23 +108,12 @@ def record_path(home: Path, experiment: str, trial: str, kind: str) -> Path:
 
 
 def write(home: Path, record: JobRecord) -> Path:
+    from areal_cli.schedulers.job_records import write_record
+
     record.updated = time.time()
     path = record_path(home, record.experiment, record.trial, record.kind)
-    from areal_cli import files
-
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # A live job's record keeps a reserve: its final state gets written on a full disk.
-        files.write_atomic(
-            path, json.dumps(record.to_json(), indent=2), reserve=record.state in LIVE
-        )
-    except OSError as e:
-        if files.is_full(e):
-            raise files.disk_full(path, e) from None
-        raise UsageError(
-            f"cannot write the job record {path}: {e.strerror or e}",
-            hint="pick a writable --home (or AREAL_HOME)",
-        ) from None
+    # A live job's record keeps a reserve: its final state gets written on a full disk.
+    write_record(path, json.dumps(record.to_json(), indent=2), reserve=record.state in LIVE)
     return path
 
 
