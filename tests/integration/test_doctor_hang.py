@@ -11,6 +11,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -601,3 +602,30 @@ def test_a_py_spy_too_old_for_the_ranks_python_is_named(tmp_path, monkeypatch):
         rank.wait()
     assert "py-spy 0.3.13 cannot read Python 3." in e.value.message
     assert "pip install -U py-spy" in e.value.hint
+
+
+def test_ctrl_c_during_the_dumps_leaves_no_py_spy_behind(tmp_path):
+    """py-spy runs in a session of its own (a timeout kills its group), so Ctrl-C does not
+    reach it: the doctor kills every py-spy still under way, promptly, none keeps a rank
+    paused. A stand-in py-spy that never finishes records its pid."""
+    slow = tmp_path / "py-spy"
+    slow.write_text(f"#!/bin/sh\necho $$ >> {tmp_path}/started\nexec sleep 60\n")
+    slow.chmod(0o755)
+    script = (
+        "import sys; from areal_cli.diagnose import stacks; "
+        f"stacks.start_many([{os.getpid()}, 1], pyspy={str(slow)!r}, timeout=60).wait()"
+    )
+    doc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    started = tmp_path / "started"
+    try:
+        assert procs.wait_until(
+            lambda: started.exists() and len(started.read_text().split()) == 2, 20
+        )
+        doc.send_signal(signal.SIGINT)
+        doc.wait(timeout=10)
+    finally:
+        doc.kill()
+        doc.wait()
+    assert "KeyboardInterrupt" in doc.stderr.read()
+    pids = [int(p) for p in started.read_text().split()]
+    assert procs.wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), 5), pids

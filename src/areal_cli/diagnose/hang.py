@@ -31,9 +31,6 @@ if TYPE_CHECKING:
     from areal_cli.diagnose.targets import Job
     from areal_cli.diagnose.verdict import Analysis
 
-# What judges the dumps (verdict, flight, collectives) is imported while the first py-spy
-# processes run, not before: on two cores that import and the dumps overlap.
-
 DEFAULT_SAMPLES = 3
 DEFAULT_INTERVAL = 0.5  # seconds from one sample's start to the next
 
@@ -196,7 +193,8 @@ def diagnose(
 
 
 def _import_judges() -> None:
-    """Import the modules that judge the dumps while the dump threads run. The switch
+    """Import the modules that judge the dumps (verdict, flight, collectives) while the first
+    dumps run rather than before them: that import and the py-spy processes overlap. The switch
     interval is shortened meanwhile: a dump thread whose py-spy finished waits for the GIL
     no longer than that before it reads the output and starts the next one."""
     interval = sys.getswitchinterval()

@@ -258,6 +258,20 @@ def is_stopped(pid: int) -> bool:
     return _thread_state(pid, pid) == "T"
 
 
+_running: set[int] = set()  # py-spy processes (their process groups) under way
+_running_lock = threading.Lock()
+
+
+def _kill_running() -> None:
+    with _running_lock:
+        pids = list(_running)
+    for pid in pids:
+        try:
+            os.killpg(pid, 9)
+        except OSError:
+            pass
+
+
 class TimeoutExpired(Exception):
     """py-spy did not finish within its timeout (it was killed)."""
 
@@ -295,6 +309,8 @@ def _run(argv: list[str], timeout: float) -> Ran:
         for fd in (out_r, out_w, err_r, err_w):
             os.close(fd)
         raise
+    with _running_lock:
+        _running.add(pid)
     os.close(out_w)
     os.close(err_w)
     chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
@@ -324,6 +340,8 @@ def _run(argv: list[str], timeout: float) -> Ran:
         os.waitpid(pid, 0)
         raise
     finally:
+        with _running_lock:
+            _running.discard(pid)
         os.close(out_r)
         os.close(err_r)
     return Ran(
@@ -436,8 +454,14 @@ class Pending:
         self._pids, self._out, self._threads = pids, out, threads
 
     def wait(self) -> dict[int, Dump]:
-        for t in self._threads:
-            t.join()
+        try:
+            for t in self._threads:
+                t.join()
+        except BaseException:
+            # Ctrl-C reaches this thread only: py-spy processes (in sessions of their own) are
+            # killed here, none keeps a rank paused after the doctor is gone.
+            _kill_running()
+            raise
         return {pid: self._out[pid] for pid in self._pids}
 
 
@@ -479,7 +503,7 @@ def start_many(
                     on_done(d)
 
     n = max(1, min(len(pids), workers or default_workers())) if pids else 0
-    threads = [threading.Thread(target=work, name=f"py-spy-{i}", daemon=True) for i in range(n)]
+    threads = [threading.Thread(target=work, name=f"py-spy-{i}") for i in range(n)]
     for t in threads:
         t.start()
     return Pending(pids, out, threads)
