@@ -18,10 +18,11 @@ from areal_cli.launchers import torchrun
 from areal_cli.launchers.node import NODE_ADDR
 from areal_cli.registry import Registry
 from areal_cli.schedulers.common import (
-    areal_overrides,
+    external_servers,
     is_loopback,
     plan_fields,
     resolve_api_key,
+    script_args,
     worker_env,
 )
 from areal_cli.schedulers.job_records import slot
@@ -113,13 +114,9 @@ def trainer_fields(p: Plan, spec: JobSpec, registry: Registry, nnodes: int, npro
             "AREAL_MIN_SERVERS": str(spec.servers.replicas),
         }
     else:
-        addrs, backend = list(spec.external_servers), spec.external_backend or "sglang"
-        key = spec.external_api_key
-        p.api_key = key  # only so the plan's rendering redacts it
-    script_args = list(t.script_args)
-    if t.areal_overrides:
-        n = spec.servers.replicas if spec.servers else len(addrs)
-        script_args += areal_overrides(spec, backend, n, registry)
+        addrs, backend, key = external_servers(p, spec)
+    n = spec.servers.replicas if spec.servers else len(addrs)
+    args = script_args(spec, backend, n, registry)
     if nnodes == 1:
         rdzv = torchrun.Rendezvous()
     else:
@@ -128,7 +125,7 @@ def trainer_fields(p: Plan, spec: JobSpec, registry: Registry, nnodes: int, npro
     argv = torchrun.argv(
         t.python or sys.executable,
         nproc,
-        [script, *script_args],
+        [script, *args],
         rendezvous=rdzv,
         log_dir=Path(p.log_dir) / "torchrun",
     )

@@ -113,6 +113,21 @@ def worker_env(
     return env
 
 
+def external_servers(p: Plan, spec: JobSpec) -> tuple[list[str], str, str | None]:
+    """The servers a training-only job uses (found or given before the plan): their
+    addresses, backend and the API key they want (the plan holds it only to redact it)."""
+    p.api_key = spec.external_api_key
+    return list(spec.external_servers), spec.external_backend or "sglang", p.api_key
+
+
+def script_args(spec: JobSpec, backend: str, n_servers: int, registry) -> list[str]:
+    """The training script's arguments, AReaL's overrides after them when asked for."""
+    args = list(spec.trainer.script_args)
+    if spec.trainer.areal_overrides:
+        args += areal_overrides(spec, backend, n_servers, registry)
+    return args
+
+
 def areal_overrides(spec: JobSpec, backend: str, n_servers: int, registry) -> list[str]:
     """`key=value` overrides for an AReaL entry point (its --config + overrides CLI).
 

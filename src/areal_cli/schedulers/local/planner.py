@@ -16,10 +16,11 @@ from areal_cli.errors import UsageError
 from areal_cli.launchers import torchrun
 from areal_cli.registry import Registry
 from areal_cli.schedulers.common import (
-    areal_overrides,
+    external_servers,
     opened,
     plan_fields,
     resolve_api_key,
+    script_args,
     worker_env,
 )
 from areal_cli.schedulers.local import records
@@ -165,12 +166,8 @@ def _plan_trainer(p, spec: JobSpec, t: TrainerRole, inventory, free, held, log_d
         addrs = [s.addr for s in p.servers]
         backend, key = p.servers[0].backend, p.api_key
     else:
-        addrs, backend = list(spec.external_servers), spec.external_backend or "sglang"
-        key = spec.external_api_key
-        p.api_key = key  # only so the plan's rendering redacts it
-    script_args = list(t.script_args)
-    if t.areal_overrides:
-        script_args += areal_overrides(spec, backend, len(addrs), registry)
+        addrs, backend, key = external_servers(p, spec)
+    args = script_args(spec, backend, len(addrs), registry)
     if t.nnodes == 1 and t.master_port is None:
         rdzv = torchrun.Rendezvous()  # the OS picks the port: no race with other jobs
     else:
@@ -179,7 +176,7 @@ def _plan_trainer(p, spec: JobSpec, t: TrainerRole, inventory, free, held, log_d
     argv = torchrun.argv(
         t.python or sys.executable,
         t.nproc,
-        [t.script, *script_args],
+        [t.script, *args],
         rendezvous=rdzv,
         log_dir=Path(p.log_dir) / "torchrun",
     )
