@@ -48,7 +48,7 @@ def register(app: typer.Typer) -> None:
         home: Path = HomeOpt,
     ) -> None:
         from areal_cli import apikeys, console
-        from areal_cli.schedulers.local.records import parse_name
+        from areal_cli.schedulers.api import parse_name
 
         experiment, trial = parse_name(name)
         path = apikeys.key_file(settings.home(home), experiment, trial)

@@ -19,7 +19,6 @@ from pathlib import Path
 
 from areal_cli import settings
 from areal_cli.errors import UsageError
-from areal_cli.schedulers.api import parse_name  # noqa: F401 - where commands/key.py reads it
 
 STATES = ("starting", "running", "stopping", "stopped", "failed", "killed")
 LIVE = ("starting", "running", "stopping")
