@@ -28,13 +28,18 @@ def sglang_python() -> str | None:
 
 @contextlib.contextmanager
 def sglang_server(model: Path, root: Path, trial: str = "bench") -> Iterator[str]:
-    """One SGLang replica serving `model`, without an API key; stopped (areal stop) after."""
+    """One SGLang replica serving `model`, without an API key, as job default/TRIAL-PID;
+    stopped (areal stop) after."""
     python = sglang_python()
     if python is None:
         raise SystemExit("no SGLang build (`make engines`)")
-    env = {**os.environ, "AREAL_HOME": str(root / "home"), "AREAL_REGISTRY": str(root / "reg"),
-           "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    # The user's own AREAL_HOME, where a first serve remembered that this interpreter's
+    # engine runs on CPU (that check imports torch: minutes on a loaded host); a registry of
+    # the run's own, and a trial no other run uses.
+    env = {**os.environ, "AREAL_REGISTRY": str(root / "reg"), "CUDA_VISIBLE_DEVICES": "",
+           "HF_HUB_OFFLINE": "1"}  # fmt: skip
     env.pop("OMP_NUM_THREADS", None)
+    trial = f"{trial}-{os.getpid()}"
     t0 = time.perf_counter()
     res = subprocess.run([AREAL, "serve", "--backend", "sglang", "--model", str(model),
                           "--python", python, "--api-key", "none", "--trial", trial,
