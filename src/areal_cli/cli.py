@@ -11,6 +11,7 @@ beside a hung job, often many times, and typer's import was a third of its start
 from __future__ import annotations
 
 import errno
+import os
 import sys
 
 from areal_cli.errors import EXIT_INTERRUPTED, ArealError
@@ -77,6 +78,33 @@ def _fast(args: list[str]) -> int | None:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the app; typed errors become one red message and their exit code."""
+    try:
+        _main(argv)
+    except SystemExit as e:
+        if "ray" not in sys.modules:
+            raise
+        _leave(e.code)
+
+
+def _leave(code) -> None:
+    """Exit at once once Ray was used: its client threads and exit hooks take a second and
+    more to wind down (areal disconnected already, schedulers/ray/cluster.py), and nothing
+    is left to write."""
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    import atexit
+
+    atexit._run_exitfuncs()  # areal's own disconnect first; Ray's last, as at a normal exit
+    os._exit(code or 0)
+
+
+def _main(argv: list[str] | None) -> None:
     args = argv if argv is not None else sys.argv[1:]
     debug = "--debug" in args
     try:

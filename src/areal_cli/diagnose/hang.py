@@ -212,7 +212,9 @@ def _diagnose_on_nodes(job: Job, **opts) -> HangReport:
     from areal_cli.diagnose.targets import RankProc
 
     started = time.monotonic()
-    found = nodes.sample(job.scheduler_job_id, job.nodes, job.marker, reach=job.reach, **opts)
+    found = nodes.sample(
+        job.scheduler_job_id, job.nodes, job.marker, reach=job.reach, lead=job.lead, **opts
+    )
     dump_s = time.monotonic() - started
     flights: dict[tuple, flight.RankFlight | str] = {}
     known = {(r.node, r.pid): r for r in job.ranks}

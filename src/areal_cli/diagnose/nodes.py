@@ -51,11 +51,13 @@ def sample(
     python: str | None = None,
     reach=None,
     with_flight: bool = True,
+    lead: float = 0.5,
 ) -> dict[str, NodeResult]:
     """node → what its ranks' stacks (and flight recorders) were, every node sampled at the
     same time. `nodes` maps each node to the pids the rank table names there (empty: find the
-    job's ranks there). `reach`: the scheduler's run_on_nodes; None: srun --overlap (Slurm)."""
-    start = time.time() + 0.5  # every node's first sample at one moment
+    job's ranks there). `reach`: the scheduler's run_on_nodes; None: srun --overlap (Slurm).
+    `lead`: how far ahead the common first moment lies (the time to start on every node)."""
+    start = time.time() + lead
     groups = _het_groups(job_id) if reach is None else {}
     limit = 30 + samples * (interval + timeout)
 

@@ -187,7 +187,7 @@ def _record_on_nodes(
     from areal_cli.diagnose import remote
 
     t0 = time.monotonic()
-    start = time.time() + 1.0  # every node starts recording at one moment
+    start = time.time() + job.lead + 0.5  # every node starts recording at one moment
     argv = ["profile", "--duration", f"{duration:g}", "--rate", str(rate),
             "--start", f"{start:.3f}"] + (["--native"] if native else [])  # fmt: skip
     got: dict = {}

@@ -161,6 +161,7 @@ class Job:
     # How to run the doctor's sampler on those nodes (Scheduler.run_on_nodes); None: Slurm's
     # srun --overlap, as diagnose.nodes does by itself.
     reach: Callable | None = field(default=None, repr=False, compare=False)
+    lead: float = 0.5  # seconds ahead for every node to start at one moment (node_start_s)
 
     @property
     def world_size(self) -> int:
@@ -377,6 +378,7 @@ def _from_cluster_job(job) -> Job:
         nodes=nodes,
         marker=job.marker,
         reach=sched.run_on_nodes,
+        lead=sched.node_start_s,
     )
 
 

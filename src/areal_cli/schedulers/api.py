@@ -166,6 +166,9 @@ class Scheduler(ABC):
     # Who `doctor why` names as the sender when a job record says only "killed": the one
     # way this scheduler itself kills a job (None: it never does).
     killed_by: str | None = None
+    # Seconds for a command to start on every node through run_on_nodes: the doctor names a
+    # moment that far ahead for the nodes' first sample (or recording) to start together.
+    node_start_s: float = 0.5
 
     @abstractmethod
     def dryrun(self, spec: JobSpec) -> Request: ...

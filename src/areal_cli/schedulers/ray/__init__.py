@@ -34,6 +34,8 @@ from areal_cli.schedulers.cluster import ClusterScheduler
 class RayScheduler(ClusterScheduler):
     name = "ray"
     label = "Ray"  # "Ray job 6294eae8"
+    # The node's command runs in its actor's own process (a call, no process to start).
+    node_start_s = 0.15
     runopts = (
         RunOpt("address", "str", "the cluster's head, HOST:PORT (default RAY_ADDRESS)"),
         RunOpt("gpus_per_node", "posint", "training ranks per node (default: world / "
