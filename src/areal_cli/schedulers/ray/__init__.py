@@ -22,7 +22,6 @@ Importing this package imports no Ray: `areal ps` lists every scheduler.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 from areal_cli import settings
@@ -90,45 +89,6 @@ class RayScheduler(ClusterScheduler):
         return job.run_by_actors(recs[0].actors, job_id, commands, timeout)
 
     # -- logs, stop -----------------------------------------------------------------------
-
-    def log_iter(
-        self,
-        handle: Handle,
-        role: str | None = None,
-        index: int | None = None,
-        follow: bool = False,
-        lines: int = 50,
-    ) -> Iterator[tuple[str, str]]:
-        import time
-
-        from areal_cli import logfiles
-
-        rec = self._record(handle)
-        log_dir = Path(rec.log_dir)
-        if not logfiles.select_logs(log_dir, role, index) and not (follow and rec.live):
-            raise UsageError(
-                f"no log files for {rec.name}"
-                + (f" with role {role}" if role else "")
-                + f" in {rec.log_dir}",
-                hint="roles: " + ", ".join(logfiles.ROLES),
-            )
-        follower = logfiles.Follower(log_dir, role, index, history=lines)
-        checked = 0.0
-        while True:
-            got = False
-            for item in follower.poll():
-                got = True
-                yield item
-            if not follow:
-                return
-            if not got and time.monotonic() - checked > 1.0:
-                checked = time.monotonic()
-                self._statuses([rec], include_ended=True)
-                if not rec.live:
-                    yield from follower.poll()
-                    return
-            if not got:
-                time.sleep(0.2)
 
     def cancel(self, handle: Handle, timeout: float = 30.0) -> StopResult:
         """Stop every runner, kill the actors, remove the group, end what is left of the job
