@@ -14,7 +14,8 @@ A cluster scheduler is a package with three modules this base imports when it ne
 
 Below it, what those job modules share: the private plan file, the slot lock and the refusal
 of a second job in a slot, a runner's exit code, the replicas that ended, taking them out of
-discovery, following a job's logs, and leaving nothing of an ended job behind.
+discovery, following a job's logs, leaving nothing of an ended job behind, and ClusterWatch,
+the part of each Watch that is alike (ready files, a replica's failed start, a stop).
 
 Importing this module imports no scheduler's package: `areal ps` lists every one.
 """
@@ -454,3 +455,97 @@ def follow_logs(plan, on_line: LineFn, stop: threading.Event, trainer_roles: tup
     t = threading.Thread(target=loop, name="log-follower", daemon=True)
     t.start()
     return t
+
+
+class ClusterWatch:
+    """What following one job from `areal` is alike on every cluster scheduler: the state a
+    Watch keeps, its servers' ready files, a runner's exit code, a replica that failed to
+    start (root cause first) and a stop asked of this process. Each scheduler's Watch adds
+    how its job is placed, started and ended."""
+
+    # The log roles followed in the foreground besides the servers'.
+    trainer_roles = ("rank", "torchrun", "watchdog")
+
+    def __init__(self, plan, rec, home: Path, stop: threading.Event,
+                 on_event: EventFn | None = None, on_line: LineFn | None = None,
+                 on_progress=None):  # fmt: skip
+        self.plan, self.rec, self.home, self.stop = plan, rec, home, stop
+        self.on_event = on_event or (lambda kind, info: None)
+        self.on_progress = on_progress or (lambda text: None)
+        self.run = Path(plan.run_dir)
+        self.stop_code = 130
+        self.ready: dict[int, dict] = {}
+        self.lost: set[int] = set()
+        self._follow_stop = threading.Event()
+        self._follower = None
+        if on_line is not None:
+            self._follower = follow_logs(plan, on_line, self._follow_stop, self.trainer_roles)
+
+    def close(self) -> None:
+        self._follow_stop.set()
+        if self._follower is not None:
+            self._follower.join(timeout=2)
+
+    def _cancel(self, reason: str) -> None:
+        raise NotImplementedError
+
+    def _exit_code(self, label: str) -> int | None:
+        return read_code(self.run / f"{label}.exit")
+
+    def _read_ready(self) -> None:
+        for i in range(len(self.plan.servers)):
+            if i in self.ready:
+                continue
+            try:
+                info = json.loads((self.run / f"server-{i}.ready").read_text())
+            except (OSError, ValueError):
+                continue
+            self.ready[i] = info
+            self.on_event("healthy", {"label": f"server-{i}", "addr": info["addr"],
+                                      "node": info.get("node")})  # fmt: skip
+            self.on_progress(f"{len(self.ready)}/{len(self.plan.servers)} server(s) registered")
+
+    def _fail(self, i: int) -> None:
+        """A replica ended before it was ready: the start failed, root cause first."""
+        from areal_cli.errors import EXIT_TIMEOUT, LaunchError, WaitTimeout
+        from areal_cli.schedulers.common import describe_exit, tail_text
+
+        code = self._exit_code(f"server-{i}")
+        p = self.plan.servers[i]
+        self._cancel(f"server-{i} failed while starting")
+        if code == EXIT_TIMEOUT:
+            raise WaitTimeout(
+                f"server-{i} not healthy after {self.plan.health_timeout:g}s",
+                detail=tail_text(p.log_path),
+                hint=f"raise --health-timeout for big models, or read the log: {p.log_path}",
+            )
+        raise LaunchError(
+            f"server-{i} failed while starting: {describe_exit(code)}",
+            detail=tail_text(p.log_path),
+            hint=f"full log: {p.log_path}",
+        )
+
+    def _stop_if_asked(self) -> None:
+        """A stop asked of this process (Ctrl-C, SIGTERM): the job is cancelled, Stopped."""
+        from areal_cli.schedulers.api import Stopped
+
+        if self.stop.is_set():
+            self.on_event("stopping", {"state": "stopped"})
+            self._cancel("interrupted" if self.stop_code == 130 else "terminated")
+            raise Stopped(self.stop_code)
+
+
+def servers_by_node(plan) -> dict[str, list[int]]:
+    """A job's own servers (a combined job's replicas) in the registry, by node: what its
+    watchdog samples beside the ranks."""
+    from areal_cli.registry import open_registry
+
+    out: dict[str, list[int]] = {}
+    try:
+        entries = open_registry(plan.registry).list(plan.experiment, plan.trial).servers
+    except Exception:
+        return out
+    for e in entries:
+        if e.marker == plan.marker and e.node and e.pid:
+            out.setdefault(e.node, []).append(e.pid)
+    return out

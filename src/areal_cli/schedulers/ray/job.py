@@ -18,13 +18,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from areal_cli import apikeys, logfiles, settings
-from areal_cli.errors import EXIT_TIMEOUT, LaunchError, WaitTimeout
+from areal_cli.errors import LaunchError, WaitTimeout
 from areal_cli.schedulers.api import LIVE, Stopped
 from areal_cli.schedulers.cluster import (
+    ClusterWatch,
     SlotLock,
     clash,
     deregister_servers,
-    follow_logs,
     leave_nothing,
     ready_addr,
     refusal,
@@ -407,27 +407,18 @@ def cancel(rec: RayRecord, home: Path, timeout: float, reason: str) -> None:
 # -- watching one job from `areal` -----------------------------------------------------------
 
 
-def _follow(plan: RayPlan, on_line, stop: threading.Event) -> threading.Thread:
-    return follow_logs(plan, on_line, stop, ("rank", "torchrun", "watchdog"))
-
-
-class Watch:
+class Watch(ClusterWatch):
     """Follows one job: placed → started → servers registered → its end."""
+
+    plan: RayPlan
+    rec: RayRecord
 
     def __init__(self, plan: RayPlan, rec: RayRecord, home: Path, stop: threading.Event,
                  on_event: EventFn | None = None, on_line=None, on_progress=None):  # fmt: skip
-        self.plan, self.rec, self.home, self.stop = plan, rec, home, stop
-        self.on_event = on_event or (lambda kind, info: None)
-        self.on_progress = on_progress or (lambda text: None)
-        self.run = Path(plan.run_dir)
-        self.stop_code = 130
+        super().__init__(plan, rec, home, stop, on_event, on_line, on_progress)
         self.actors: dict = {}
         self.group = None
         self.where: dict[str, dict] = {}
-        self.ready: dict[int, dict] = {}
-        self.lost: set[int] = set()
-        self._follow_stop = threading.Event()
-        self._follower = _follow(plan, on_line, self._follow_stop) if on_line else None
         self._checked = 0.0
 
     # -- phases ---------------------------------------------------------------------------
@@ -556,28 +547,7 @@ class Watch:
                 )
             self.stop.wait(0.3)
 
-    def close(self) -> None:
-        self._follow_stop.set()
-        if self._follower is not None:
-            self._follower.join(timeout=2)
-
     # -- pieces ---------------------------------------------------------------------------
-
-    def _exit_code(self, label: str) -> int | None:
-        return _read_code(self.run / f"{label}.exit")
-
-    def _read_ready(self) -> None:
-        for i in range(len(self.plan.servers)):
-            if i in self.ready:
-                continue
-            try:
-                info = json.loads((self.run / f"server-{i}.ready").read_text())
-            except (OSError, ValueError):
-                continue
-            self.ready[i] = info
-            self.on_event("healthy", {"label": f"server-{i}", "addr": info["addr"],
-                                      "node": info.get("node")})  # fmt: skip
-            self.on_progress(f"{len(self.ready)}/{len(self.plan.servers)} server(s) registered")
 
     def _check_actors(self) -> None:
         """An actor that died was killed from Ray's side (`ray kill`, its node lost; a Step
@@ -598,27 +568,8 @@ class Watch:
         raise LaunchError(f"Ray job {self.rec.job_id}: actor {what} ({KILLED_BY_RAY})",
                           hint=f"`areal logs {self.rec.name}` shows how far it got")  # fmt: skip
 
-    def _fail(self, i: int) -> None:
-        code = self._exit_code(f"server-{i}")
-        p = self.plan.servers[i]
-        self._cancel(f"server-{i} failed while starting")
-        if code == EXIT_TIMEOUT:
-            raise WaitTimeout(
-                f"server-{i} not healthy after {self.plan.health_timeout:g}s",
-                detail=tail_text(p.log_path),
-                hint=f"raise --health-timeout for big models, or read the log: {p.log_path}",
-            )
-        raise LaunchError(
-            f"server-{i} failed while starting: {describe_exit(code)}",
-            detail=tail_text(p.log_path),
-            hint=f"full log: {p.log_path}",
-        )
-
     def _check_stop(self) -> None:
-        if self.stop.is_set():
-            self.on_event("stopping", {"state": "stopped"})
-            self._cancel("interrupted" if self.stop_code == 130 else "terminated")
-            raise Stopped(self.stop_code)
+        self._stop_if_asked()
         on_disk = records.read(records.path(self.home, self.rec.experiment, self.rec.trial,
                                             self.rec.kind))  # fmt: skip
         if (

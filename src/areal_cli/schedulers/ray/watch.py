@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 # The run folder's stall files are the same on every cluster scheduler.
+from areal_cli.schedulers.cluster import servers_by_node
 from areal_cli.schedulers.slurm.watch import (
     FAIL_FILE,
     STALL_FILE,
@@ -61,20 +62,6 @@ def start(run_dir: str, stop_trainers: Callable[[], None]):
     def reach(job_id: str, commands: dict[str, list[str]], timeout: float) -> dict:
         return job.run_by_actors(plan.actor_names(), job_id, commands, timeout)
 
-    def servers() -> dict[str, list[int]]:
-        """The job's own servers (a combined job's replicas), by node."""
-        from areal_cli.registry import open_registry
-
-        out: dict[str, list[int]] = {}
-        try:
-            entries = open_registry(plan.registry).list(plan.experiment, plan.trial).servers
-        except Exception:
-            return out
-        for e in entries:
-            if e.marker == plan.marker and e.node and e.pid:
-                out.setdefault(e.node, []).append(e.pid)
-        return out
-
     def on_stall(stall: watchdog.Stall) -> None:
         watchdog.log_line(plan.log_dir, stall, plan.watchdog)
         state = {**stall.to_json(), "seconds": plan.watchdog, "action": plan.watchdog_action}
@@ -86,7 +73,7 @@ def start(run_dir: str, stop_trainers: Callable[[], None]):
     return watchdog.watch_nodes(
         plan.watchdog, plan.log_dir, job_id=plan.job_id, nodes=nodes, marker=plan.marker,
         reach=reach, label=f"job {plan.experiment}/{plan.trial} (Ray job {plan.job_id})",
-        on_stall=on_stall, servers=servers,
+        on_stall=on_stall, servers=lambda: servers_by_node(plan),
     )  # fmt: skip
 
 

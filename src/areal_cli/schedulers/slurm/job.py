@@ -16,14 +16,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from areal_cli import apikeys, logfiles, settings
-from areal_cli.errors import EXIT_TIMEOUT, ArealError, LaunchError, UsageError, WaitTimeout
+from areal_cli.errors import ArealError, LaunchError, UsageError, WaitTimeout
 from areal_cli.schedulers.api import ENDED, LIVE, Stopped
 from areal_cli.schedulers.cluster import (
+    ClusterWatch,
     SlotLock,
     clash,
     deregister_servers,
     ended_replicas,
-    follow_logs,
     leave_nothing,
     private_file,
     read_code,
@@ -225,8 +225,11 @@ def cancel(rec: SlurmRecord, home: Path, timeout: float, reason: str) -> cluster
 # -- watching one job from `areal` -----------------------------------------------------------
 
 
-class Watch:
+class Watch(ClusterWatch):
     """Follows one submitted job: pending → running → servers registered → its end."""
+
+    plan: SlurmPlan
+    rec: SlurmRecord
 
     def __init__(
         self,
@@ -238,20 +241,9 @@ class Watch:
         on_line=None,
         on_progress=None,
     ):
-        self.plan, self.rec, self.home, self.stop = plan, rec, home, stop
-        self.on_event = on_event or (lambda kind, info: None)
-        self.on_progress = on_progress or (lambda text: None)
-        self.run = Path(plan.run_dir)
-        self.stop_code = 130
+        super().__init__(plan, rec, home, stop, on_event, on_line, on_progress)
         self.info: cluster.JobInfo | None = None
         self.no_answer: cluster.Unreachable | None = None
-        self.ready: dict[int, dict] = {}
-        self.lost: set[int] = set()
-        self._follow_stop = threading.Event()
-        self._follower = None
-        if on_line is not None:
-            roles = ("rank", "torchrun", "watchdog")
-            self._follower = follow_logs(plan, on_line, self._follow_stop, roles)
 
     # -- phases ---------------------------------------------------------------------------
 
@@ -305,11 +297,6 @@ class Watch:
                          "tail": logfiles.tail(self.plan.servers[i].log_path, 20)},
                     )  # fmt: skip
             self.stop.wait(0.5)
-
-    def close(self) -> None:
-        self._follow_stop.set()
-        if self._follower is not None:
-            self._follower.join(timeout=2)
 
     # -- pieces ---------------------------------------------------------------------------
 
@@ -374,50 +361,14 @@ class Watch:
                 self.rec.state = "starting"  # until its servers registered
         return True
 
-    def _read_ready(self) -> None:
-        for i in range(len(self.plan.servers)):
-            if i in self.ready:
-                continue
-            try:
-                info = json.loads((self.run / f"server-{i}.ready").read_text())
-            except (OSError, ValueError):
-                continue
-            self.ready[i] = info
-            self.on_event("healthy", {"label": f"server-{i}", "addr": info["addr"],
-                                      "node": info.get("node")})  # fmt: skip
-            self.on_progress(f"{len(self.ready)}/{len(self.plan.servers)} server(s) registered")
-
-    def _exit_code(self, label: str) -> int | None:
-        return read_code(self.run / f"{label}.exit")
-
     def _failed_server(self, indices) -> int | None:
         for i in sorted(indices):
             if self._exit_code(f"server-{i}") is not None:
                 return i
         return None
 
-    def _fail(self, i: int) -> None:
-        """A replica ended before it was ready: the start failed, root cause first."""
-        code = self._exit_code(f"server-{i}")
-        p = self.plan.servers[i]
-        self._cancel(f"server-{i} failed while starting")
-        if code == EXIT_TIMEOUT:
-            raise WaitTimeout(
-                f"server-{i} not healthy after {self.plan.health_timeout:g}s",
-                detail=tail_text(p.log_path),
-                hint=f"raise --health-timeout for big models, or read the log: {p.log_path}",
-            )
-        raise LaunchError(
-            f"server-{i} failed while starting: {describe_exit(code)}",
-            detail=tail_text(p.log_path),
-            hint=f"full log: {p.log_path}",
-        )
-
     def _check_stop(self) -> None:
-        if self.stop.is_set():
-            self.on_event("stopping", {"state": "stopped"})
-            self._cancel("interrupted" if self.stop_code == 130 else "terminated")
-            raise Stopped(self.stop_code)
+        self._stop_if_asked()
 
     def _cancel(self, reason: str) -> None:
         info = cancel(self.rec, self.home, 30.0, reason)

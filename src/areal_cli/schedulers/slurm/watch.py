@@ -94,20 +94,6 @@ def main(argv: list[str] | None = None) -> int:
                 known.extend(info.components.get(group) or info.nodes)
         return known
 
-    def servers() -> dict[str, list[int]]:
-        """The job's own servers (a combined job's steps), by node."""
-        from areal_cli.registry import open_registry
-
-        out: dict[str, list[int]] = {}
-        try:
-            entries = open_registry(plan.registry).list(plan.experiment, plan.trial).servers
-        except Exception:
-            return out
-        for e in entries:
-            if e.marker == plan.marker and e.node and e.pid:
-                out.setdefault(e.node, []).append(e.pid)
-        return out
-
     def on_stall(stall: watchdog.Stall) -> None:
         line = watchdog.log_line(plan.log_dir, stall, plan.watchdog)
         state = {**stall.to_json(), "seconds": plan.watchdog, "action": plan.watchdog_action}
@@ -117,10 +103,12 @@ def main(argv: list[str] | None = None) -> int:
             write_atomic(run / FAIL_FILE, stall.headline())
             _stop_step(trainer)
 
+    from areal_cli.schedulers.cluster import servers_by_node
+
     dog = watchdog.watch_nodes(
         plan.watchdog, plan.log_dir, job_id=job_id, nodes=nodes, marker=plan.marker,
         reach=sched.run_on_nodes, label=f"job {plan.experiment}/{plan.trial} (Slurm job "
-        f"{job_id})", on_stall=on_stall, servers=servers, python=plan.runner_python or None,
+        f"{job_id})", on_stall=on_stall, servers=lambda: servers_by_node(plan), python=plan.runner_python or None,
     )  # fmt: skip
     try:
         while os.path.exists(f"/proc/{trainer}"):
