@@ -12,6 +12,7 @@ torch) is remembered per interpreter after a first serve: the benchmark makes th
 check beforehand and prints what it cost. Without the build it prints a skip line.
 """
 
+import http.client
 import json
 import os
 import socket
@@ -42,7 +43,7 @@ def healthy(port: int) -> bool:
         # timeout would give up on the answer it waits for.
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
             return r.status == 200
-    except OSError:
+    except (OSError, http.client.HTTPException):
         return False
 
 
@@ -96,7 +97,7 @@ def ready(port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
             return r.status == 200
-    except OSError:
+    except (OSError, http.client.HTTPException):
         return False
 
 
@@ -108,9 +109,9 @@ class Watch(threading.Thread):
     ROLES = {"supervisor": "schedulers.local.supervisor", "runner": "launchers.replica",
              "engine": "sglang.launch_server"}  # fmt: skip
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, home: str):
         super().__init__(daemon=True)
-        self.model = model
+        self.model, self.home = model, home
         self.stop = threading.Event()
         self.at: dict[str, float] = {}  # perf_counter of each event
 
@@ -130,11 +131,9 @@ class Watch(threading.Thread):
                     line = p.info["cmdline"] or []
                     text = " ".join(line)
                     for role, key in self.ROLES.items():
-                        if (
-                            role not in self.at
-                            and key in text
-                            and (role != "engine" or self.model in text)
-                        ):
+                        # Only this run's: other jobs on the host have supervisors too.
+                        mine = self.model if role == "engine" else self.home
+                        if role not in self.at and key in text and mine in text:
                             self.at[role] = p.info["create_time"] + offset
                             if role == "engine" and "--port" in line:
                                 port = int(line[line.index("--port") + 1])
@@ -217,7 +216,7 @@ def sglang_case(model: Path, env: dict, python: str) -> tuple[float, float]:
     cold = remember_cpu_check(python, env)
     print(f"  the first serve's CPU-build check of {python}: {cold:.2f} s (remembered after)")
     before = raw()  # also the warm-up: page cache and bytecode of the engine's venv
-    watch = Watch(str(model))
+    watch = Watch(str(model), env["AREAL_HOME"])
     watch.start()
     t0 = time.perf_counter()
     res = subprocess.run([*serve, "--detach"], env=env, stdout=subprocess.DEVNULL,
