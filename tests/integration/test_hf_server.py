@@ -328,9 +328,11 @@ def test_api_key_seed_and_sigterm(models, tmp_path: Path, monkeypatch):
         time.sleep(0.3)
         rc, took = a.terminate()
         t.join(10)
-        assert rc == 0 and took < 5, a.log()
+        # Exit 0 (not killed after the wait) and well before the 400 tokens: 5.6 s was seen
+        # with three test workers on two cores, where the model took 23 s to load.
+        assert rc == 0 and took < 10, a.log()
         rc, took = b.terminate()
-        assert rc == 0 and took < 5, b.log()
+        assert rc == 0 and took < 10, b.log()
         assert "shutting down" in b.log()
 
 
