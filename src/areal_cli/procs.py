@@ -190,16 +190,40 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
+DEFAULT_PORT_BASE = 30000  # below Linux's default ephemeral range (32768-60999)
+
+
+def ephemeral_ports() -> range:
+    """The ports the kernel hands to outgoing connections (net.ipv4.ip_local_port_range)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return range(int(low), int(high) + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)
+
+
 def free_ports(
-    count: int, host: str = "127.0.0.1", start: int = 30000, avoid: set[int] | None = None
+    count: int,
+    host: str = "127.0.0.1",
+    start: int = DEFAULT_PORT_BASE,
+    avoid: set[int] | None = None,
 ) -> list[int]:
-    """`count` ports that are free now (and not in `avoid`), scanning upward from `start`."""
+    """`count` ports that are free now (and not in `avoid`), scanning upward from `start`.
+
+    A scan that starts below the kernel's ephemeral range jumps over it: a server binds its
+    port only after loading its model, and meanwhile any outgoing connection on the host may
+    be given a free port of that range (an SGLang start died on this). A scan that starts
+    inside it was asked for there and stays."""
     from areal_cli.errors import UsageError
 
     bind_address(host)  # fail fast on a bad host, not after scanning every port
+    ephemeral = ephemeral_ports()
+    skip = ephemeral if start < ephemeral.start else range(0)
     ports: list[int] = []
     port = start
     while len(ports) < count:
+        if port in skip:
+            port = skip.stop
         if port > 65535:
             raise UsageError(f"no {count} free ports on {host} from {start} up")
         if port not in (avoid or ()) and port_free(port, host):

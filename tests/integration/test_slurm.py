@@ -398,6 +398,9 @@ def test_a_replica_wider_than_a_node_is_one_multi_node_server(slurm_env, areal_e
         plan = json.loads(res.stdout)
         (p,) = plan["processes"]
         assert p["nodes"] == 2 and p["gpus_per_node"] == 4 and p["follower_args"] == follower
+        # Ready means a generation was answered on Slurm too (vLLM's CPU build passed /health
+        # and died on its first forward pass); SGLang's /ready covers its own warm-up.
+        assert (p["first_request"] is not None) == (backend == "vllm"), p["first_request"]
         argv = " ".join(p["argv"])
         if backend == "sglang":
             assert "--dist-init-addr {dist_addr} --nnodes 2 --node-rank {node_rank}" in argv

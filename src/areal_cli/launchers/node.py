@@ -58,10 +58,17 @@ def _ipv4(host: str) -> str | None:
 
 
 def free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host if host not in ("", "0.0.0.0") else "", 0))
-        return s.getsockname()[1]
+    """A port free on this node now, for a process that binds it later (a server after
+    loading its model). Not one the kernel picks (bind to port 0): those come from the
+    ephemeral range, where an outgoing connection may take it first. Scanned from the port
+    base (AREAL_PORT_BASE), from a random point in its first thousand, so that the runners
+    of one job starting at once on a node seldom try the same port."""
+    import random
+
+    from areal_cli import procs, settings
+
+    start = settings.port_base(procs.DEFAULT_PORT_BASE) + random.randrange(1000)
+    return procs.free_ports(1, host if host not in ("", "0.0.0.0") else "", start=start)[0]
 
 
 def meet(path: str | Path, timeout: float = 600.0, alive=lambda: True) -> str:

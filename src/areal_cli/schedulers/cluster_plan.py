@@ -84,11 +84,14 @@ def server_key(p: Plan, spec: JobSpec) -> str | None:
 
 def replica_fields(p: Plan, role: ServerRole, backend, i: int, argv: list[str], env) -> dict:
     """Replica i's process, but for where it runs: its port is chosen on its node, and the
-    API key is in its environment (the plan file is private), never in argv."""
+    API key is in its environment (the plan file is private), never in argv. Ready means its
+    first generation was answered, on every scheduler (an engine can pass /health and die on
+    its first forward pass)."""
     return dict(
         role="server", index=i, argv=argv, env={"PYTHONUNBUFFERED": "1", **env}, gpus=[],
         log_path=str(Path(p.log_dir) / f"server-{i}.log"), host=role.host, port=None,
         backend=role.backend, health_path=backend.health_path,
+        first_request=backend.first_request(role),
     )  # fmt: skip
 
 

@@ -26,8 +26,6 @@ from areal_cli.schedulers.common import (
 from areal_cli.schedulers.local import records
 from areal_cli.spec import JobSpec, Plan, ProcessPlan, ServerRole, TrainerRole
 
-DEFAULT_PORT_BASE = 30000
-
 
 def held_by_others(
     registry: Registry, home: Path, inventory: gpus.GpuInventory | None = None
@@ -196,7 +194,7 @@ def _ports(role: ServerRole, n: int, busy: set[int]) -> list[int]:
     if role.port_base is None:
         # Servers bind their port only after loading the model: ports of jobs still
         # starting are taken too, though nothing listens on them yet.
-        start = settings.port_base(DEFAULT_PORT_BASE)
+        start = settings.port_base(procs.DEFAULT_PORT_BASE)
         return procs.free_ports(n, role.host, start=start, avoid=busy)
     ports = list(range(role.port_base, role.port_base + n))
     for port in ports:

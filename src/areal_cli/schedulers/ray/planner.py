@@ -120,7 +120,6 @@ def _plan_servers(p: RayPlan, spec: JobSpec, check_packages: bool) -> None:
         p.processes.append(
             RayProcess(
                 **cluster_plan.replica_fields(p, role, backend, i, argv, env),
-                first_request=backend.first_request(role),
                 resources=need,
             )
         )
