@@ -165,6 +165,47 @@ class Follower:
             yield label, line
 
 
+def job_lines(
+    name: str,
+    log_dir: Path,
+    role: str | None,
+    index: int | None,
+    *,
+    follow: bool,
+    lines: int,
+    live: Callable[[], bool],
+    check_every: float = 0.0,
+) -> Iterator[tuple[str, str]]:
+    """`areal logs` of one job on any scheduler: the last `lines` of each of its files, then,
+    following, new lines as they come until `live()` says the job ended (asked only when
+    nothing new came, at most every `check_every` seconds: asking a cluster costs a
+    round trip), and what was written last. A job still starting may have no files yet."""
+    import time
+
+    if not select_logs(log_dir, role, index) and not (follow and live()):
+        raise UsageError(
+            f"no log files for {name}" + (f" with role {role}" if role else "") + f" in {log_dir}",
+            hint="roles: " + ", ".join(ROLES),
+        )
+    follower = Follower(log_dir, role, index, history=lines)
+    checked = float("-inf")
+    while True:
+        got = False
+        for item in follower.poll():
+            got = True
+            yield item
+        if not follow:
+            return
+        if got:
+            continue
+        if time.monotonic() - checked >= check_every:
+            checked = time.monotonic()
+            if not live():
+                yield from follower.poll()
+                return
+        time.sleep(0.2)
+
+
 def follow_in_background(
     log_dir: Path,
     on_line: Callable[[str, str], None],

@@ -60,3 +60,36 @@ def test_the_same_file_growing_is_followed_from_where_it_was(tmp_path):
     assert _lines(f) == ["partial line"]
     f.close()
     assert f._held == {}
+
+
+# -- `areal logs` of one job (every scheduler's log_iter) ----------------------------------------
+
+
+def test_job_lines_shows_history_then_follows_until_the_job_ends(tmp_path):
+    import pytest
+
+    from areal_cli.errors import UsageError
+
+    with pytest.raises(UsageError, match="no log files for e/t"):
+        list(logfiles.job_lines("e/t", tmp_path, None, None, follow=False, lines=5,
+                                live=lambda: True))  # fmt: skip
+    log = tmp_path / "server-0.log"
+    asked = []
+
+    def live() -> bool:
+        # A job still starting has no files yet; it writes one, then a last line as it ends.
+        asked.append(1)
+        if len(asked) == 2:
+            _run(log, ["first", "second"])
+        if len(asked) == 3:
+            with open(log, "a") as f:
+                f.write("last words\n")
+            return False
+        return True
+
+    got = list(logfiles.job_lines("e/t", tmp_path, None, None, follow=True, lines=5, live=live))
+    assert got == [("server-0", "first"), ("server-0", "second"), ("server-0", "last words")]
+    # Not following: the last `lines` of each file, and no question whether the job lives.
+    got = list(logfiles.job_lines("e/t", tmp_path, "server", 0, follow=False, lines=2,
+                                  live=lambda: 1 / 0))  # fmt: skip
+    assert [x for _, x in got] == ["second", "last words"]

@@ -206,36 +206,16 @@ class ClusterScheduler(Scheduler):
         lines: int = 50,
     ) -> Iterator[tuple[str, str]]:
         """The job's log files on the shared filesystem; following ends when the job does."""
-        import time
-
         from areal_cli import logfiles
 
         rec = self._record(handle)
-        log_dir = Path(rec.log_dir)
-        if not logfiles.select_logs(log_dir, role, index) and not (follow and rec.live):
-            raise UsageError(
-                f"no log files for {rec.name}"
-                + (f" with role {role}" if role else "")
-                + f" in {rec.log_dir}",
-                hint="roles: " + ", ".join(logfiles.ROLES),
-            )
-        follower = logfiles.Follower(log_dir, role, index, history=lines)
-        checked = 0.0
-        while True:
-            got = False
-            for item in follower.poll():
-                got = True
-                yield item
-            if not follow:
-                return
-            if not got and time.monotonic() - checked > 1.0:
-                checked = time.monotonic()
-                self._statuses([rec], include_ended=True)
-                if not rec.live:
-                    yield from follower.poll()
-                    return
-            if not got:
-                time.sleep(0.2)
+
+        def live() -> bool:
+            self._statuses([rec], include_ended=True)
+            return rec.live
+
+        return logfiles.job_lines(rec.name, Path(rec.log_dir), role, index, follow=follow,
+                                  lines=lines, live=live, check_every=1.0)  # fmt: skip
 
 
 def _registered(rec) -> tuple[list, list, dict[str, bool], dict[str, bool | None]]:

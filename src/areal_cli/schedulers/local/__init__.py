@@ -229,33 +229,14 @@ class LocalScheduler(Scheduler):
         follow: bool = False,
         lines: int = 50,
     ) -> Iterator[tuple[str, str]]:
-        import time
-
         rec = self._record(handle)
-        log_dir = Path(rec.log_dir)
-        if not logfiles.select_logs(log_dir, role, index):
-            raise UsageError(
-                f"no log files for {rec.name}"
-                + (f" with role {role}" if role else "")
-                + f" in {rec.log_dir}",
-                hint="roles: " + ", ".join(logfiles.ROLES),
-            )
-        follower = logfiles.Follower(log_dir, role, index, history=lines)
-        while True:
-            got = False
-            for item in follower.poll():
-                got = True
-                yield item
-            if not follow:
-                return
-            if not got:
-                live = [r for r in records.load_all(self.home, rec.experiment, rec.trial)
-                        if r.alive() and r.state in records.LIVE]  # fmt: skip
-                if not live:
-                    for item in follower.poll():
-                        yield item
-                    return
-                time.sleep(0.2)
+
+        def live() -> bool:
+            return any(r.alive() and r.state in records.LIVE
+                       for r in records.load_all(self.home, rec.experiment, rec.trial))  # fmt: skip
+
+        return logfiles.job_lines(rec.name, Path(rec.log_dir), role, index, follow=follow,
+                                  lines=lines, live=live)  # fmt: skip
 
     def cancel(self, handle: Handle, timeout: float = 30.0) -> StopResult:
         """SIGTERM the supervisor and wait; then make sure nothing of the job is left, and
