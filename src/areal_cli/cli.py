@@ -98,9 +98,9 @@ def _leave(code) -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
-    import atexit
-
-    atexit._run_exitfuncs()  # areal's own disconnect first; Ray's last, as at a normal exit
+    ray_cluster = sys.modules.get("areal_cli.schedulers.ray.cluster")
+    if ray_cluster is not None:
+        ray_cluster.disconnect()  # what Ray's exit hook would do, without its wait
     os._exit(code or 0)
 
 

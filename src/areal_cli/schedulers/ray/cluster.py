@@ -90,11 +90,12 @@ def connect(option: str | None = None) -> str:
         _connected = addr
         # Runs before Ray's own exit hook (registered when ray was imported): that one
         # sleeps 0.5 s first for a driver's worker logs to print, and areal takes none.
-        atexit.register(_disconnect)
+        atexit.register(disconnect)
         return addr
 
 
-def _disconnect() -> None:
+def disconnect() -> None:
+    """Leave the cluster (idempotent): the driver's objects and leases go with it."""
     import ray
 
     try:
