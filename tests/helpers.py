@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,3 +36,14 @@ def areal(
 
 def fake_serve_args(model: Path, *extra: str) -> list[str]:
     return ["serve", "--backend", "hf", "--model", str(model), "--python", FAKE_PYTHON, *extra]
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+    """predicate()'s first true value within `timeout` seconds; else fail saying `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = predicate()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"{what} after {timeout:g}s"
+        time.sleep(interval)

@@ -22,23 +22,13 @@ import pytest
 
 from areal_cli.registry import open_registry
 from tests.conftest import our_processes
-from tests.helpers import AREAL, FAKE_PYTHON, REPO, areal
+from tests.helpers import AREAL, FAKE_PYTHON, REPO, areal, wait_for
 
 TRAIN = str(REPO / "templates" / "grpo" / "train.py")
 CONFIG = str(REPO / "templates" / "grpo" / "tiny_cpu.yaml")
 HANG = str(Path(__file__).with_name("slurm_hang.py"))
 SCENARIOS = REPO / "tests" / "scenarios"
 SLURM = ("--scheduler", "slurm")
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = predicate()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"{what} after {timeout:g}s"
-        time.sleep(interval)
 
 
 def queued(cluster) -> list[str]:
