@@ -211,13 +211,25 @@ def _cluster_processes(root: Path) -> list[psutil.Process]:
             continue
         if needle in cmd or env.get("RAY_AUTH_TOKEN_PATH", "").startswith(needle):
             found[p.pid] = p
+    return [p for p in _with_descendants(found) if p.pid != os.getpid()]
+
+
+def _with_descendants(found: dict[int, psutil.Process]) -> list[psutil.Process]:
     for p in list(found.values()):
         try:
             for c in p.children(recursive=True):
                 found.setdefault(c.pid, c)
         except psutil.Error:
             continue
-    return [p for p in found.values() if p.pid != os.getpid()]
+    return list(found.values())
+
+
+def _signal_all(procs: list[psutil.Process], sig: int) -> None:
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.Error:
+            pass
 
 
 def node_processes(cluster: RayCluster, ip: str) -> list[psutil.Process]:
@@ -237,13 +249,7 @@ def node_processes(cluster: RayCluster, ip: str) -> list[psutil.Process]:
         cmd = " ".join(p.info["cmdline"] or ())
         if sessions and any(s in cmd for s in sessions):
             found[p.pid] = p
-    for p in list(found.values()):
-        try:
-            for c in p.children(recursive=True):
-                found.setdefault(c.pid, c)
-        except psutil.Error:
-            continue
-    return list(found.values())
+    return _with_descendants(found)
 
 
 def kill_node(cluster: RayCluster, ip: str = WORKER_IP) -> int:
@@ -252,11 +258,7 @@ def kill_node(cluster: RayCluster, ip: str = WORKER_IP) -> int:
     procs = node_processes(cluster, ip)
     if not procs:
         raise RuntimeError(f"no Ray node at {ip} in {cluster.root}")
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
+    _signal_all(procs, signal.SIGKILL)
     psutil.wait_procs(procs, timeout=10)
     return len(procs)
 
@@ -275,17 +277,9 @@ def stop_ray_cluster(cluster: RayCluster, grace: float = 5.0) -> None:
     if not cluster.owned:
         return
     procs = _cluster_processes(cluster.root)
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGTERM)
-        except psutil.Error:
-            pass
+    _signal_all(procs, signal.SIGTERM)
     _, alive = psutil.wait_procs(procs, timeout=grace)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
+    _signal_all(alive, signal.SIGKILL)
     psutil.wait_procs(alive, timeout=grace)
     shutil.rmtree(cluster.root, ignore_errors=True)
 
