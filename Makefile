@@ -23,8 +23,9 @@ demo: install
 # PYTHONDONTWRITEBYTECODE says) because the tests start hundreds of interpreters. The real
 # engines' tier is `make test-engines`. A failed test runs once more (--reruns 1): tests that
 # time real processes on two shared cores can miss a deadline under load; both results print.
+# The 15 slowest tests print at the end: what to look at when the suite grows slower.
 test: install lint
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 3 --dist loadfile --reruns 1 -m "not engines"
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 3 --dist loadfile --reruns 1 --durations 15 -m "not engines"
 
 # The CPU builds of SGLang 0.5.23 and vLLM 0.32 in $$AREAL_ENGINES (default
 # /var/cache/areal-engines), outside the checkout so every checkout on the machine reuses them.
