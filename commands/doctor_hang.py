@@ -7,7 +7,9 @@ typer, whose definition in commands/doctor.py owns the flags' help and their err
 
 from __future__ import annotations
 
-from pathlib import Path
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:
+    from pathlib import Path
 
 STATE_STYLE = {
     "collective": "cyan",
@@ -17,6 +19,13 @@ STATE_STYLE = {
     "error": "red",
     "stopped": "red",
 }
+
+
+def _path(value: str) -> Path:
+    from pathlib import Path  # only with --out: pathlib is no import before the first dump
+
+    return Path(value)
+
 
 # flag: (keyword, type); the bounds are typer's in commands/doctor.py.
 _VALUED = {
@@ -28,7 +37,7 @@ _VALUED = {
     "-n": ("samples", int),
     "--interval": ("interval", float),
     "--timeout": ("timeout", float),
-    "--out": ("out_dir", Path),
+    "--out": ("out_dir", _path),
     "--home": ("home", str),
 }
 _FLAGS = {"--native": "native", "--locals": "show_locals", "--json": "json_out"}

@@ -356,6 +356,40 @@ def test_a_still_rank_is_not_dumped_again(blocked):
     assert all(set(d.ran.values()) == {0} for d in again.values())
 
 
+def test_the_last_sample_reads_no_counters_for_a_next_one(blocked):
+    """`counters=False` (the doctor's last sample): what ran since the previous sample is
+    still known, the counters a next sample would compare against are not read."""
+    s = blocked["queue_block"]
+    s.wait_ready()
+    pids = s.rank_pids()
+    pyspy = stacks.require_pyspy()
+    first = stacks.dump_many(pids, pyspy=pyspy)
+    last = stacks.dump_many(pids, pyspy=pyspy, previous=first, counters=False)
+    assert all(d.ok and d.counters for d in first.values())
+    assert all(d.ran is not None for d in last.values())
+    fresh = stacks.dump_many(pids, pyspy=pyspy, counters=False)
+    assert all(d.ok and d.threads and not d.counters for d in fresh.values())
+
+
+def test_cancelled_dumps_start_no_more_py_spy(tmp_path):
+    """The doctor checks permissions while its first dumps run; an attach it finds impossible
+    cancels them: the py-spy under way is killed and no further one starts."""
+    slow = tmp_path / "py-spy"
+    slow.write_text(f"#!/bin/sh\necho $$ >> {tmp_path}/started\nexec sleep 60\n")
+    slow.chmod(0o755)
+    started = tmp_path / "started"
+    pending = stacks.start_many([os.getpid(), 1], pyspy=str(slow), timeout=60, workers=1)
+    assert procs.wait_until(started.exists, 20)
+    pending.cancel()
+    t0 = time.monotonic()
+    dumps = pending.wait()
+    assert time.monotonic() - t0 < 5
+    assert len(started.read_text().split()) == 1
+    assert not dumps[os.getpid()].ok and 1 not in dumps  # killed; never started
+    pid = int(started.read_text())
+    assert procs.wait_until(lambda: not psutil.pid_exists(pid), 5)
+
+
 def start_exiting(tmp: Path, exit_ranks: str) -> list[subprocess.Popen]:
     """Two plain rank processes of exit_on_dump.py; `exit_ranks` exit once dumped."""
     workdir = tmp / "exiting"
@@ -515,9 +549,10 @@ def test_bad_targets_exit_2(tmp_path):
 @pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv"
 )
-def test_missing_cap_sys_ptrace_is_explained_before_dumping(blocked):
+def test_missing_cap_sys_ptrace_is_explained_with_the_fix(blocked):
     """Root without CAP_SYS_PTRACE (a container without --cap-add SYS_PTRACE) cannot read
-    processes that hold capabilities it lacks: the doctor says so, with the fix, and exits 1."""
+    processes that hold capabilities it lacks: the doctor says so, with the fix, and exits 1
+    (the check runs beside the first dumps and stops them)."""
     s = blocked["queue_block"]
     s.wait_ready()
     res = subprocess.run(

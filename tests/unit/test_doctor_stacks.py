@@ -93,3 +93,30 @@ def test_a_resume_counted_ahead_is_not_taken_for_activity():
     assert stacks.did_not_run(before, resumed, frozenset({1}))
     assert stacks.did_not_run(before, already, frozenset({1}))
     assert not stacks.did_not_run(before, again, frozenset({1}))
+
+
+def test_the_dumps_types_are_reached_through_stacks():
+    from areal_cli.diagnose import dumps
+
+    assert stacks.Dump is dumps.Dump and stacks.Frame is dumps.Frame
+    assert stacks.parse_pyspy_json is dumps.parse_pyspy_json
+    try:
+        stacks.NoSuchName  # noqa: B018
+    except AttributeError as e:
+        assert "NoSuchName" in str(e)
+    else:
+        raise AssertionError("stacks.NoSuchName resolved")
+
+
+def test_rank_records_compare_and_print_as_dataclasses_did():
+    from areal_cli.diagnose.targets import Job, RankProc
+
+    a = RankProc(pid=5, rank=0, local_rank=0, world_size=2, local_world_size=2, cmdline=["x"])
+    b = RankProc(5, 0, 0, 2, 2, ["x"])
+    assert a == b and a.env == {} and a.env is not b.env and a.node is None
+    assert a != RankProc(6, 0, 0, 2, 2, ["x"])
+    assert repr(a).startswith("RankProc(pid=5, rank=0, ") and "node=None" in repr(a)
+    j = Job(label="pids 5", ranks=[a])
+    assert j == Job("pids 5", [b], reach=print)  # reach is neither compared nor shown
+    assert "reach" not in repr(j) and j.nodes == {} and j.lead == 0.5
+    assert j.world_size == 2 and j.expected_local_ranks() == [0, 1]

@@ -18,18 +18,22 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 
-from areal_cli.diagnose import permissions, stacks
+from areal_cli.diagnose import stacks
 from areal_cli.errors import EXIT_FAILED, ArealError, UsageError
 
+# Imported before the first py-spy starts: what checks the permissions, judges the dumps and
+# writes the bundle (dataclasses, pathlib, json) is imported while the first dumps run.
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start-up cost)
 if TYPE_CHECKING:
-    from areal_cli.diagnose import flight
+    from collections.abc import Callable
+    from pathlib import Path
+
+    from areal_cli.diagnose import flight, permissions
     from areal_cli.diagnose.targets import Job
     from areal_cli.diagnose.verdict import Analysis
+
+    ProgressFn = Callable[[int, int, int], None]  # (sample index, dumps done, dumps total)
 
 DEFAULT_SAMPLES = 3
 DEFAULT_INTERVAL = 0.5  # seconds from one sample's start to the next
@@ -45,21 +49,35 @@ class TargetsExited(UsageError):
     """Every rank exited before or while it was dumped: nothing left to diagnose (exit 2)."""
 
 
-@dataclass
 class HangReport:
-    job: Job
-    analysis: Analysis
-    samples: int
-    dumps: dict[int, list[stacks.Dump]] = field(default_factory=dict)  # pid -> one per sample
-    errors: list[dict] = field(default_factory=list)
-    elapsed_s: float = 0.0
-    # Seconds spent: preflight_s checking permissions, dump_s running py-spy, wait_s between
-    # samples, flight_s asking the flight recorders, judge_s classifying.
-    timing: dict[str, float] = field(default_factory=dict)
-    # rank -> its flight recorder's dump; flight_errors: rank -> why there is none.
-    flights: dict[int, flight.RankFlight] = field(default_factory=dict)
-    flight_errors: dict[int, str] = field(default_factory=dict)
-    torch_analysis: list[str] = field(default_factory=list)  # what torchfrtrace said
+    """One job's verdict with its evidence. A plain class (not a dataclass): this module is
+    imported on the way to the first dump, dataclasses meanwhile."""
+
+    def __init__(
+        self,
+        job: Job,
+        analysis: Analysis,
+        samples: int,
+        dumps: dict[int, list[stacks.Dump]] | None = None,  # pid -> one per sample
+        errors: list[dict] | None = None,
+        elapsed_s: float = 0.0,
+        # Seconds spent: preflight_s checking permissions (while the first dumps run), dump_s
+        # running py-spy, wait_s between samples, flight_s asking the flight recorders,
+        # judge_s classifying.
+        timing: dict[str, float] | None = None,
+        # rank -> its flight recorder's dump; flight_errors: rank -> why there is none.
+        flights: dict[int, flight.RankFlight] | None = None,
+        flight_errors: dict[int, str] | None = None,
+        torch_analysis: list[str] | None = None,  # what torchfrtrace said
+    ) -> None:
+        self.job, self.analysis, self.samples = job, analysis, samples
+        self.dumps = {} if dumps is None else dumps
+        self.errors = [] if errors is None else errors
+        self.elapsed_s = elapsed_s
+        self.timing = {} if timing is None else timing
+        self.flights = {} if flights is None else flights
+        self.flight_errors = {} if flight_errors is None else flight_errors
+        self.torch_analysis = [] if torch_analysis is None else torch_analysis
 
     @property
     def failed(self) -> bool:
@@ -84,9 +102,6 @@ class HangReport:
             "elapsed_s": round(self.elapsed_s, 3),
             "timing": {k: round(v, 4) for k, v in self.timing.items()},
         }
-
-
-ProgressFn = Callable[[int, int, int], None]  # (sample index, dumps done, dumps total)
 
 
 def diagnose(
@@ -121,16 +136,12 @@ def diagnose(
     started = time.monotonic()
     pyspy = stacks.require_pyspy()
     pids = [r.pid for j in jobs for r in j.ranks]
-    # py-spy's version only matters for a py-spy older than the ranks' Python: asked while the
-    # first dumps run, not before them (one more process start on the way to the first dump).
-    version = _Answer(stacks.pyspy_version, pyspy)
-    tracer = _check(pids, permissions.tracer_info(None))
-    preflight_s = time.monotonic() - started
-
+    samples = max(1, samples)
+    asked: list[int] = []
     rounds: list[dict[int, stacks.Dump]] = []
-    dump_s = wait_s = 0.0
+    dump_s = wait_s = preflight_s = 0.0
     first_start = time.monotonic()
-    for i in range(max(1, samples)):
+    for i in range(samples):
         pause = first_start + i * interval - time.monotonic()
         if pause > 0:
             time.sleep(pause)
@@ -152,9 +163,29 @@ def diagnose(
             timeout=timeout,
             previous=rounds[-1] if rounds else None,
             on_done=tick,
+            # Counters after a dump serve the next sample only.
+            counters=i < samples - 1,
         )
         if i == 0:
-            _import_judges()
+            # The first dumps start as soon as the ranks are known; what comes before them in
+            # reason runs beside them: the permission check (an attach it finds impossible
+            # stops the dumps; py-spy's version only matters for a py-spy older than the
+            # ranks' Python), the imports that judge the dumps, the ranks' doctor channels.
+            try:
+                t_pre = time.monotonic()
+                from areal_cli.diagnose import permissions
+
+                version = _Answer(stacks.pyspy_version, pyspy)
+                tracer = _check(pids, permissions.tracer_info(None))
+                preflight_s = time.monotonic() - t_pre
+                channel = _import_judges()
+                # Only ranks with a doctor channel are asked for their flight recorder (a plain
+                # torchrun script has none): one thread per rank that has nothing to say costs
+                # more than its dump's judging.
+                asked = [p for p in pids if channel.find(p) is not None] if with_flight else []
+            except BaseException:
+                pending.cancel()
+                raise
         dumps = pending.wait()
         if i == 0:
             tracer = _check(pids, tracer, version.result())
@@ -164,13 +195,9 @@ def diagnose(
             break  # nothing left to sample
 
     from areal_cli.diagnose import flight
-    from areal_cli.worker import channel
 
     t0 = time.monotonic()
     # After the last sample: the recorder then says where the ranks stand as the last stacks do.
-    # Only ranks with a doctor channel are asked (a plain torchrun script has none): one
-    # thread per rank that has nothing to say costs more than its dump's judging.
-    asked = [p for p in pids if channel.find(p) is not None] if with_flight else []
     flights = flight.gather(asked) if asked else {}
     flight_s = time.monotonic() - t0
     t0 = time.monotonic()
@@ -192,23 +219,26 @@ def diagnose(
     return reports
 
 
-def _import_judges() -> None:
-    """Import the modules that judge the dumps (verdict, flight, collectives) while the first
-    dumps run rather than before them: that import and the py-spy processes overlap. The switch
-    interval is shortened meanwhile: a dump thread whose py-spy finished waits for the GIL
-    no longer than that before it reads the output and starts the next one."""
+def _import_judges():
+    """Import the modules that judge the dumps (verdict, flight, collectives, the dumps' own
+    types) and the doctor channel while the first dumps run rather than before them: that
+    import and the py-spy processes overlap. The switch interval is shortened meanwhile: a dump
+    thread whose py-spy finished waits for the GIL no longer than that before it reads the
+    output and starts the next one. Returns the channel module."""
     interval = sys.getswitchinterval()
     sys.setswitchinterval(min(interval, 0.0005))
     try:
-        from areal_cli.diagnose import flight, verdict  # noqa: F401
+        from areal_cli.diagnose import dumps, flight, verdict  # noqa: F401
+        from areal_cli.worker import channel
     finally:
         sys.setswitchinterval(interval)
+    return channel
 
 
 def _diagnose_on_nodes(job: Job, **opts) -> HangReport:
     """A cluster job: every node sampled at once where its ranks run (diagnose.nodes); the
     ranks of a node that cannot be reached are errors naming it, the verdict is the others'."""
-    from areal_cli.diagnose import flight, nodes
+    from areal_cli.diagnose import flight, nodes, permissions
     from areal_cli.diagnose.targets import RankProc
 
     started = time.monotonic()
@@ -270,7 +300,7 @@ def _diagnose_on_nodes(job: Job, **opts) -> HangReport:
 def _judge(
     job: Job, rounds: list[dict], tracer, key=lambda r: r.pid, flights: dict | None = None
 ) -> HangReport:
-    from areal_cli.diagnose import flight
+    from areal_cli.diagnose import flight, permissions
     from areal_cli.diagnose.verdict import RankSamples, analyze
 
     sourced: set[int] = set()
@@ -326,6 +356,7 @@ def _torch_analysis(rep: HangReport) -> None:
     if v is None or v.kind not in ("shape_mismatch", "wrong_group") or not rep.flights:
         return
     import tempfile
+    from pathlib import Path
 
     pid = next((r.pid for r in rep.job.ranks if r.pid), None)
     try:
@@ -367,6 +398,8 @@ def _raise_unreadable(reports: list[HangReport]) -> None:
 
 def preflight(pids: list[int], pyspy: str) -> permissions.TracerInfo:
     """Raise AttachError with the exact fix when the kernel or py-spy will refuse."""
+    from areal_cli.diagnose import permissions
+
     return _check(pids, permissions.tracer_info(stacks.pyspy_version(pyspy)))
 
 
@@ -393,6 +426,8 @@ def _check(
 ) -> permissions.TracerInfo:
     """`preflight` for `tracer`; with `pyspy_version` (learnt later), only what that version
     adds: whether it is too old for the ranks' Python. The tracer, with the version."""
+    from areal_cli.diagnose import permissions
+
     if pyspy_version is not None:
         from dataclasses import replace
 
@@ -442,6 +477,7 @@ def write_bundle(reports: list[HangReport], out_dir: str | Path) -> list[Path]:
     """Raw py-spy output per rank and sample taken plus summary.json, ready to attach to an
     issue."""
     import json
+    from pathlib import Path
 
     from areal_cli.diagnose import flight
 

@@ -22,106 +22,55 @@ of that namespace).
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from areal_cli.errors import UsageError
+
+# `doctor hang` imports this module before its first py-spy starts: what a finished dump needs
+# (dataclasses, json: diagnose.dumps) is imported once one has finished, meanwhile.
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
+    from areal_cli.diagnose.dumps import Dump, ThreadStack
 
 DEFAULT_TIMEOUT = 10.0
 MIN_WORKERS = 16  # py-spy processes at once, however few the CPUs: see default_workers
 Counters = dict[int, tuple[int, int]]  # thread id -> (CPU ns, times scheduled in)
 
-
-@dataclass(frozen=True)
-class Frame:
-    function: str  # qualified name as py-spy gives it, e.g. "Queue.get"
-    file: str  # full path, or a pseudo name such as "<frozen runpy>"
-    line: int
-    short: str = ""  # py-spy's short file name (package-relative)
-    locals: tuple[tuple[str, str], ...] | None = None
-    native: bool = False
-    # The source line, when the file is readable on this host (filled in by `with_source`).
-    code: str | None = None
-
-    @property
-    def basename(self) -> str:
-        """The function name without its class: `Queue.get` -> `get`."""
-        return self.function.rsplit(".", 1)[-1]
-
-    def where(self) -> str:
-        return f"{self.short or self.file}:{self.line}"
-
-    def to_json(self) -> dict:
-        d = {
-            "function": self.function,
-            "file": self.file,
-            "short": self.short or self.file,
-            "line": self.line,
-        }
-        if self.native:
-            d["native"] = True
-        if self.code is not None:
-            d["code"] = self.code
-        if self.locals is not None:
-            d["locals"] = dict(self.locals)
-        return d
+_DUMPS = ("Frame", "ThreadStack", "Dump", "parse_pyspy_json", "with_source")
 
 
-@dataclass(frozen=True)
-class ThreadStack:
-    thread_id: int
-    os_thread_id: int | None
-    name: str | None
-    active: bool  # py-spy's view: on CPU (not sleeping in a syscall)
-    owns_gil: bool
-    frames: tuple[Frame, ...]  # innermost first, as py-spy prints them
+def __getattr__(name: str):
+    # stacks.Dump and the others, from the module that holds them (imported on first use).
+    if name in _DUMPS:
+        from areal_cli.diagnose import dumps
+
+        return getattr(dumps, name)
+    raise AttributeError(f"module 'areal_cli.diagnose.stacks' has no attribute {name!r}")
 
 
-@dataclass
-class Dump:
-    """One py-spy snapshot of one process (or why there is none)."""
+def _new_dump(*args, **kwargs) -> Dump:
+    from areal_cli.diagnose.dumps import Dump
 
-    pid: int
-    threads: list[ThreadStack] = field(default_factory=list)
-    raw: str = ""  # py-spy's JSON text, kept for bug reports
-    error: str | None = None
-    # "gone" (the process exited), "permission", "version", "timeout", "not_python", "failed"
-    error_kind: str | None = None
-    taken_at: float = 0.0
-    elapsed_s: float = 0.0
-    # Scheduler counters of each Python thread once py-spy had let go of it.
-    counters: Counters = field(default_factory=dict)
-    # Times each thread was scheduled in since the previous sample, not counting the dumps;
-    # None on the first sample or where unknown.
-    ran: dict[int, int] | None = None
-    # Threads whose resume after the dump was counted ahead in `counters` (see
-    # counters_after_dump).
-    pending: frozenset[int] = frozenset()
-    # No Python thread ran since the previous sample, so that sample's stacks were kept.
-    reused: bool = False
-    # The process is stopped (state T: SIGSTOP, Ctrl-Z): it cannot take part in anything.
-    stopped: bool = False
+    return Dump(*args, **kwargs)
 
-    @property
-    def ok(self) -> bool:
-        return self.error is None
 
-    def main_thread(self) -> ThreadStack | None:
-        for t in self.threads:
-            if t.os_thread_id == self.pid:
-                return t
-        for t in self.threads:
-            if t.name == "MainThread":
-                return t
-        return self.threads[0] if self.threads else None
+def _replace(obj, **changes):
+    from dataclasses import replace
+
+    return replace(obj, **changes)
+
+
+def _parse(text: str) -> list[ThreadStack]:
+    from areal_cli.diagnose.dumps import parse_pyspy_json
+
+    return parse_pyspy_json(text)
 
 
 # --------------------------------------------------------------------------- py-spy itself
@@ -129,9 +78,9 @@ class Dump:
 
 def find_pyspy() -> str | None:
     """py-spy next to this interpreter (the venv's bin/) first, then PATH."""
-    here = Path(sys.executable).parent / "py-spy"
-    if here.is_file() and os.access(here, os.X_OK):
-        return str(here)
+    here = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if os.path.isfile(here) and os.access(here, os.X_OK):
+        return here
     import shutil
 
     return shutil.which("py-spy")
@@ -181,12 +130,13 @@ def dump(
     show_locals: bool = False,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> Dump:
-    ns = pid_namespace(pid)
+    state, ids = _proc_status(pid)
+    ns = pid_namespace(pid, ids)
     argv = [pyspy, "dump", "--json", "--pid", str(pid)]
     before: dict[int, str] = {}
     # A stopped process cannot be paused by ptrace (py-spy fails "Failed to get stack traces"),
     # and needs no pausing: it does not run, so reading it as it runs is exact.
-    stopped = is_stopped(pid)
+    stopped = state == "T"
     if stopped:
         argv.append("--nonblocking")
         native = False
@@ -194,7 +144,7 @@ def dump(
         if native:
             argv = _in_namespace(pid, ns, argv)
             if isinstance(argv, str):
-                return Dump(pid, error=argv, error_kind="namespace", taken_at=time.time())
+                return _new_dump(pid, error=argv, error_kind="namespace", taken_at=time.time())
         else:
             # Read before py-spy stops the threads: what py-spy would have read itself.
             before = thread_states(pid, ns.values())
@@ -207,7 +157,7 @@ def dump(
     try:
         res = _run(argv, timeout)
     except TimeoutExpired:
-        return Dump(
+        return _new_dump(
             pid,
             error=f"py-spy did not answer within {timeout:g}s",
             error_kind="timeout",
@@ -215,14 +165,16 @@ def dump(
             elapsed_s=time.monotonic() - start,
         )
     except OSError as e:
-        return Dump(pid, error=f"cannot run py-spy: {e}", error_kind="failed", taken_at=taken_at)
+        return _new_dump(
+            pid, error=f"cannot run py-spy: {e}", error_kind="failed", taken_at=taken_at
+        )
     elapsed = time.monotonic() - start
     if res.returncode != 0 or not res.stdout.strip():
         kind = classify_error(res.stderr, pid)
         message = _first_error_line(res.stderr) or f"py-spy exited with {res.returncode}"
         if kind == "gone":
             message = "the process exited while it was being dumped"
-        return Dump(
+        return _new_dump(
             pid,
             error=message,
             error_kind=kind,
@@ -231,9 +183,9 @@ def dump(
             stopped=stopped,
         )
     try:
-        threads = parse_pyspy_json(res.stdout)
+        threads = _parse(res.stdout)
     except ValueError as e:
-        return Dump(
+        return _new_dump(
             pid,
             raw=res.stdout,
             error=f"unreadable py-spy output: {e}",
@@ -243,7 +195,7 @@ def dump(
         )
     if ns is not None:
         threads = _to_our_ids(threads, {**ns, **(pid_namespace(pid) or {})}, before)
-    return Dump(
+    return _new_dump(
         pid,
         threads=threads,
         raw=res.stdout,
@@ -355,10 +307,12 @@ def _run(argv: list[str], timeout: float) -> Ran:
 # --------------------------------------------------------------------------- PID namespaces
 
 
-def pid_namespace(pid: int) -> dict[int, int] | None:
+def pid_namespace(pid: int, ids: list[int] | None = None) -> dict[int, int] | None:
     """None when `pid` runs in this /proc's PID namespace; else each of its threads' id in its
-    own (innermost) namespace -> the id here. A thread that exits meanwhile is left out."""
-    ids = _nspid(f"/proc/{pid}/status")
+    own (innermost) namespace -> the id here. A thread that exits meanwhile is left out.
+    `ids`: the process's NSpid, when read already (`_proc_status`)."""
+    if ids is None:
+        ids = _nspid(f"/proc/{pid}/status")
     if len(ids) < 2:
         return None
     out: dict[int, int] = {}
@@ -371,6 +325,24 @@ def pid_namespace(pid: int) -> dict[int, int] | None:
         if t:
             out[t[-1]] = t[0]
     return out
+
+
+def _proc_status(pid: int) -> tuple[str, list[int]]:
+    """The process's state letter ("X" when gone) and its NSpid (its id in each PID namespace,
+    the innermost last), from one read of /proc/PID/status: a dump starts after it."""
+    state, ids = "X", []
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            text = f.read()
+        for line in text.splitlines():
+            if line.startswith(b"State:"):
+                state = line.split()[1].decode()
+            elif line.startswith(b"NSpid:"):
+                ids = [int(x) for x in line.split()[1:]]
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    return state, ids
 
 
 def _nspid(path: str) -> list[int]:
@@ -417,7 +389,7 @@ def _to_our_ids(
         active = t.active
         if before and tid in before:
             active = before[tid] == "R"
-        out.append(replace(t, os_thread_id=tid, active=active))
+        out.append(_replace(t, os_thread_id=tid, active=active))
     return out
 
 
@@ -431,10 +403,12 @@ def dump_many(
     previous: dict[int, Dump] | None = None,
     workers: int | None = None,
     on_done: Callable[[Dump], None] | None = None,
+    counters: bool = True,
 ) -> dict[int, Dump]:
     """Dump every pid, `workers` py-spy processes at a time (default: `default_workers`).
     With `previous` (the last sample), a process none of whose Python threads ran since is
-    not dumped again."""
+    not dumped again. `counters=False`: no sample follows, so the scheduler counters that
+    would tell it what ran meanwhile are not read after the dump."""
     return start_many(
         pids,
         pyspy=pyspy,
@@ -444,14 +418,22 @@ def dump_many(
         previous=previous,
         workers=workers,
         on_done=on_done,
+        counters=counters,
     ).wait()
 
 
 class Pending:
-    """Dumps under way in threads of their own (`start_many`); `wait` returns them."""
+    """Dumps under way in threads of their own (`start_many`); `wait` returns them (after
+    `cancel`, those that were taken)."""
 
-    def __init__(self, pids: list[int], out: dict[int, Dump], threads: list[threading.Thread]):
-        self._pids, self._out, self._threads = pids, out, threads
+    def __init__(
+        self,
+        pids: list[int],
+        out: dict[int, Dump],
+        threads: list[threading.Thread],
+        stop: threading.Event,
+    ) -> None:
+        self._pids, self._out, self._threads, self._stop = pids, out, threads, stop
 
     def wait(self) -> dict[int, Dump]:
         try:
@@ -460,9 +442,14 @@ class Pending:
         except BaseException:
             # Ctrl-C reaches this thread only: py-spy processes (in sessions of their own) are
             # killed here, none keeps a rank paused after the doctor is gone.
-            _kill_running()
+            self.cancel()
             raise
-        return {pid: self._out[pid] for pid in self._pids}
+        return {pid: self._out[pid] for pid in self._pids if pid in self._out}
+
+    def cancel(self) -> None:
+        """No further py-spy starts; those running are killed."""
+        self._stop.set()
+        _kill_running()
 
 
 def start_many(
@@ -475,16 +462,19 @@ def start_many(
     previous: dict[int, Dump] | None = None,
     workers: int | None = None,
     on_done: Callable[[Dump], None] | None = None,
+    counters: bool = True,
 ) -> Pending:
     """`dump_many` without waiting: the py-spy processes start now, and the caller's thread
-    is free meanwhile (the doctor imports what judges the dumps while they run)."""
+    is free meanwhile (the doctor checks permissions and imports what judges the dumps while
+    they run)."""
     pids = list(dict.fromkeys(pids))
     out: dict[int, Dump] = {}
     todo = iter(pids)
     lock = threading.Lock()
+    stop = threading.Event()
 
     def work() -> None:
-        while True:
+        while not stop.is_set():
             with lock:
                 pid = next(todo, None)
             if pid is None:
@@ -496,6 +486,7 @@ def start_many(
                 native=native,
                 show_locals=show_locals,
                 timeout=timeout,
+                counters=counters,
             )
             with lock:
                 out[pid] = d
@@ -506,7 +497,7 @@ def start_many(
     threads = [threading.Thread(target=work, name=f"py-spy-{i}") for i in range(n)]
     for t in threads:
         t.start()
-    return Pending(pids, out, threads)
+    return Pending(pids, out, threads, stop)
 
 
 def _sample(
@@ -517,21 +508,25 @@ def _sample(
     native: bool,
     show_locals: bool,
     timeout: float,
+    counters: bool = True,
 ) -> Dump:
     """This sample of one process: its previous dump again when none of its Python threads
-    ran since, else a fresh dump; with what each thread did in between."""
+    ran since, else a fresh dump; with what each thread did in between (and, with
+    `counters`, the counters the next sample compares against)."""
     ran = None
     if prev is not None and prev.ok and prev.counters:
         now = read_counters(pid, prev.counters)
         if not _pid_exists(pid):  # a zombie keeps its last counters: check before reusing
-            return Dump(pid, error="the process exited", error_kind="gone", taken_at=time.time())
+            return _new_dump(
+                pid, error="the process exited", error_kind="gone", taken_at=time.time()
+            )
         ran = {
             tid: max(0, now[tid][1] - runs)
             for tid, (_, runs) in prev.counters.items()
             if tid in now
         }
         if did_not_run(prev.counters, now, prev.pending):
-            return replace(
+            return _replace(
                 prev,
                 counters=now,
                 pending=frozenset(),
@@ -543,7 +538,8 @@ def _sample(
             )
     d = dump(pid, pyspy=pyspy, native=native, show_locals=show_locals, timeout=timeout)
     if d.ok:
-        d.counters, d.pending = counters_after_dump(pid, d.threads)
+        if counters:
+            d.counters, d.pending = counters_after_dump(pid, d.threads)
         d.ran = ran
     return d
 
@@ -581,7 +577,8 @@ def default_workers() -> int:
     except (AttributeError, OSError):
         n = os.cpu_count() or 1
     try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
         if quota != "max":
             n = min(n, max(1, -(-int(quota) // int(period))))
     except (OSError, ValueError):
@@ -676,78 +673,3 @@ def _pid_exists(pid: int) -> bool:
         return False
     end = text.rfind(b")")
     return text[end + 2 : end + 3] not in (b"Z", b"X")
-
-
-# --------------------------------------------------------------------------- parsing
-
-
-def parse_pyspy_json(text: str) -> list[ThreadStack]:
-    """py-spy's `dump --json` output -> threads with frames (innermost first)."""
-    data = json.loads(text)
-    if not isinstance(data, list):
-        raise ValueError("expected a list of threads")
-    threads = []
-    for t in data:
-        frames = []
-        for f in t.get("frames") or []:
-            filename = f.get("filename") or "?"
-            loc = f.get("locals")
-            locals_ = None
-            if isinstance(loc, list):
-                locals_ = tuple(
-                    (str(v.get("name")), str(v.get("repr") if v.get("repr") is not None else "?"))
-                    for v in loc
-                    if isinstance(v, dict)
-                )
-            frames.append(
-                Frame(
-                    function=f.get("name") or "?",
-                    file=filename,
-                    line=int(f.get("line") or 0),
-                    short=f.get("short_filename") or filename,
-                    locals=locals_,
-                    native=_is_native_file(filename),
-                )
-            )
-        threads.append(
-            ThreadStack(
-                thread_id=int(t.get("thread_id") or 0),
-                os_thread_id=t.get("os_thread_id"),
-                name=t.get("thread_name"),
-                active=bool(t.get("active")),
-                owns_gil=bool(t.get("owns_gil")),
-                frames=tuple(frames),
-            )
-        )
-    return threads
-
-
-def _is_native_file(filename: str) -> bool:
-    # With --native, py-spy adds C/C++ frames whose "file" is a .so, a C/C++ source or "?".
-    return (
-        filename.endswith((".so", ".c", ".cc", ".cpp", ".cu", ".h", ".hpp")) or ".so." in filename
-    )
-
-
-def with_source(threads: list[ThreadStack]) -> list[ThreadStack]:
-    """Attach the source line to every Python frame whose file is readable here.
-
-    The line tells what a frame blocked in native code waits on (`work.wait()`), which py-spy
-    alone cannot show without --native.
-    """
-    import linecache
-
-    out = []
-    for t in threads:
-        frames = []
-        for f in t.frames:
-            code = None
-            if not f.native and f.file and not f.file.startswith("<"):
-                code = linecache.getline(f.file, f.line).strip() or None
-            frames.append(
-                Frame(f.function, f.file, f.line, f.short, f.locals, f.native, code) if code else f
-            )
-        out.append(
-            ThreadStack(t.thread_id, t.os_thread_id, t.name, t.active, t.owns_gil, tuple(frames))
-        )
-    return out

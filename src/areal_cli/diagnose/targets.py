@@ -19,12 +19,13 @@ from __future__ import annotations
 import errno
 import os
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 
-from areal_cli import settings
 from areal_cli.errors import UsageError
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
 
 RANK_ENV = (
     "RANK",
@@ -132,36 +133,78 @@ class Proc:
         return None
 
 
-@dataclass
-class RankProc:
-    pid: int
-    rank: int | None
-    local_rank: int | None
-    world_size: int | None
-    local_world_size: int | None
-    cmdline: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-    node: str | None = None  # a rank of a cluster job: the node it runs on
+class _Record:
+    """Repr and equality over the fields named in `_fields`, as a dataclass has them.
+
+    RankProc and Job are plain classes rather than dataclasses: `doctor hang` finds the ranks
+    before its first py-spy starts, and dataclasses (with inspect, which it imports) was the
+    largest import on that way.
+    """
+
+    _fields: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={getattr(self, k)!r}" for k in self._fields)
+        return f"{type(self).__name__}({inner})"
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return all(getattr(self, k) == getattr(other, k) for k in self._fields)
+
+    __hash__ = None  # mutable, as a dataclass without frozen=True
+
+
+class RankProc(_Record):
+    _fields = ("pid", "rank", "local_rank", "world_size", "local_world_size", "cmdline", "env",
+               "node")  # fmt: skip
+
+    def __init__(
+        self,
+        pid: int,
+        rank: int | None,
+        local_rank: int | None,
+        world_size: int | None,
+        local_world_size: int | None,
+        cmdline: list[str],
+        env: dict[str, str] | None = None,
+        node: str | None = None,  # a rank of a cluster job: the node it runs on
+    ) -> None:
+        self.pid, self.rank, self.local_rank = pid, rank, local_rank
+        self.world_size, self.local_world_size = world_size, local_world_size
+        self.cmdline = cmdline
+        self.env = {} if env is None else env
+        self.node = node
 
     def job_key(self) -> tuple:
         e = self.env
         return (e.get("MASTER_ADDR"), e.get("MASTER_PORT"), e.get("TORCHELASTIC_RUN_ID"))
 
 
-@dataclass
-class Job:
-    label: str  # "torchrun pid 123 (train.py)", "job exp/trial0", "pids 1,2"
-    ranks: list[RankProc]
-    launcher_pid: int | None = None
-    name: str | None = None  # experiment/trial for --job
-    # A cluster job: its id, the nodes to reach, and where the marker finds its ranks.
-    scheduler_job_id: str | None = None
-    nodes: dict[str, list[int]] = field(default_factory=dict)  # node -> rank pids (or none known)
-    marker: str | None = None
-    # How to run the doctor's sampler on those nodes (Scheduler.run_on_nodes); None: Slurm's
-    # srun --overlap, as diagnose.nodes does by itself.
-    reach: Callable | None = field(default=None, repr=False, compare=False)
-    lead: float = 0.5  # seconds ahead for every node to start at one moment (node_start_s)
+class Job(_Record):
+    # `reach` is neither shown nor compared.
+    _fields = ("label", "ranks", "launcher_pid", "name", "scheduler_job_id", "nodes", "marker",
+               "lead")  # fmt: skip
+
+    def __init__(
+        self,
+        label: str,  # "torchrun pid 123 (train.py)", "job exp/trial0", "pids 1,2"
+        ranks: list[RankProc],
+        launcher_pid: int | None = None,
+        name: str | None = None,  # experiment/trial for --job
+        # A cluster job: its id, the nodes to reach, and where the marker finds its ranks.
+        scheduler_job_id: str | None = None,
+        nodes: dict[str, list[int]] | None = None,  # node -> rank pids (or none known)
+        marker: str | None = None,
+        # How to run the doctor's sampler on those nodes (Scheduler.run_on_nodes); None:
+        # Slurm's srun --overlap, as diagnose.nodes does by itself.
+        reach: Callable | None = None,
+        lead: float = 0.5,  # seconds ahead for every node to start at one moment (node_start_s)
+    ) -> None:
+        self.label, self.ranks, self.launcher_pid, self.name = label, ranks, launcher_pid, name
+        self.scheduler_job_id = scheduler_job_id
+        self.nodes = {} if nodes is None else nodes
+        self.marker, self.reach, self.lead = marker, reach, lead
 
     @property
     def world_size(self) -> int:
@@ -199,7 +242,7 @@ class Job:
             "world_size": self.world_size,
             "local_ranks_expected": self.expected_local_ranks(),
             "multi_host": self.multi_host,
-            "host": settings.hostname(),
+            "host": _hostname(),
             **(
                 {"scheduler_job_id": self.scheduler_job_id,
                  "nodes": {str(r.rank): r.node for r in self.ranks}}
@@ -296,7 +339,7 @@ def under(roots: list[int], label: str, name: str | None = None) -> Job | None:
 
 
 def _from_job(name: str, home: str | Path | None) -> Job:
-    from areal_cli import schedulers
+    from areal_cli import schedulers, settings
 
     parts = name.strip("/").split("/")
     if len(parts) != 2 or not all(parts):
@@ -426,6 +469,8 @@ def _discover() -> list[Job]:
             Job(label=f"orphaned ranks (launcher gone, port {key[1]})", ranks=_number(ranks))
         )
     if not found:
+        from areal_cli import settings
+
         raise UsageError(
             f"no torchrun or areal job of user {settings.user()} runs on this host",
             hint="name one: areal doctor hang --pid PID (a rank or its torchrun) or --job E/T",
@@ -632,6 +677,12 @@ def _describe(p: Proc) -> str:
     except ProcError:
         text = "exited"
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _hostname() -> str:
+    from areal_cli import settings  # it imports pathlib: not on the way to the first dump
+
+    return settings.hostname()
 
 
 def _int(v: str | None) -> int | None:
