@@ -104,7 +104,25 @@ class HangReport:
         }
 
 
-def diagnose(
+def diagnose(jobs: list[Job], **opts) -> list[HangReport]:
+    """Dump and judge every rank of `jobs` (the options: `_diagnose`'s).
+
+    The garbage collector is paused meanwhile: the imports and the parsed dumps make many
+    objects and next to no cycles (16 ranks, one sample: 24 collections, 3.6-4.9 ms of CPU
+    under load), and on a small host the doctor's own CPU time is taken from the py-spy
+    processes. What it would have found is collected once it runs again."""
+    import gc
+
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return _diagnose(jobs, **opts)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _diagnose(
     jobs: list[Job],
     *,
     samples: int = DEFAULT_SAMPLES,
