@@ -446,10 +446,21 @@ class Pending:
             raise
         return {pid: self._out[pid] for pid in self._pids if pid in self._out}
 
-    def cancel(self) -> None:
-        """No further py-spy starts; those running are killed."""
+    def cancel(self, grace: float = 5.0) -> None:
+        """No further py-spy starts; those running are killed, and their threads waited for
+        (at most `grace` seconds). Killing once is not enough: a thread may have spawned its
+        py-spy and not yet listed it, or checked the stop just before it was set; on a busy
+        host that window is long enough to leave a py-spy (and its rank paused) behind."""
         self._stop.set()
-        _kill_running()
+        others = [t for t in self._threads if t is not threading.current_thread()]
+        deadline = time.monotonic() + grace
+        while True:
+            _kill_running()
+            for t in others:
+                t.join(0.02)
+            others = [t for t in others if t.is_alive()]
+            if not others or time.monotonic() > deadline:
+                return
 
 
 def start_many(
