@@ -173,8 +173,18 @@ def run(
                 console.err.print(f"[red]{who}: {e['error']}[/]")
                 if e.get("fix"):
                     console.err.print(f"[yellow]fix:[/] {e['fix']}")
-        return 1
-    return 0
+        return _leaving(1)
+    return _leaving(0)
+
+
+def _leaving(code: int) -> int:
+    """`code`, once the collector no longer looks at what is alive now: the process ends next,
+    and its last collection walked every module, dump and report (16 ranks: 10.6-14.4 ms from
+    the last atexit hook to the exit, 4.0-4.7 ms without that walk)."""
+    import gc
+
+    gc.freeze()
+    return code
 
 
 def render_hang(rep, show_locals: bool = False) -> None:
