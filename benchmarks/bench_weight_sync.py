@@ -12,10 +12,15 @@ disk, in one run.
 2. The GRPO example (tiny model, two FSDP ranks, one hf server) runs a few steps with each
    method; prints the share of the step time spent syncing weights (medians over steps).
 3. With the SGLang CPU build (`make engines`): the same alternation against one real SGLang
-   replica under `areal serve` (its distributed update over gloo, tensor by tensor; its disk
-   update reloading the checkpoint), for the tiny model and for the ~100M one; prints
+   replica under `areal serve` (its distributed update over gloo: the small tensors as one
+   flattened bucket, the large ones tensor by tensor; its disk update reloading the
+   checkpoint), for the tiny model and for the ~100M one; prints
    `weight_sync_distributed_over_disk[sglang,tiny|100M]` (target <= 0.5 each). Without the
    build, skip lines. `--only-sglang` runs this part alone.
+
+Each method's line is followed by its split: the median milliseconds of each route (first
+request sent to last answer), of rank 0's broadcasts (inside the update's span), of writing
+the checkpoint, and the rest (the trainer's own work between requests).
 """
 
 from __future__ import annotations
@@ -43,20 +48,50 @@ REPO = Path(__file__).resolve().parents[1]
 TRAINER = r"""
 import json, sys, time, torch
 from transformers import AutoModelForCausalLM
+from areal_cli.worker import weights
 from areal_cli.worker.rollout import RolloutClient
 from areal_cli.worker.weights import sync_weights
 model_dir, servers, rounds, out_dir = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]), sys.argv[4]
 backend = sys.argv[5] if len(sys.argv) > 5 else "hf"
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 client = RolloutClient(servers, backend=backend)
+# Where a sync's time goes: each route's span (first request sent to last answer, over all
+# servers) and rank 0's broadcasts (inside the update's span).
+spans = []
+request = client._request
+async def timed(server, method, path, *args, **kw):
+    t = time.perf_counter()
+    try:
+        return await request(server, method, path, *args, **kw)
+    finally:
+        spans.append((path.strip("/"), t, time.perf_counter()))
+client._request = timed
+broadcast = weights._broadcast_bucket
+def timed_broadcast(*args):
+    t = time.perf_counter()
+    try:
+        return broadcast(*args)
+    finally:
+        spans.append(("(broadcast)", t, time.perf_counter()))
+weights._broadcast_bucket = timed_broadcast
 def once(method, k):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1e-3)
+    spans.clear()
     t = time.perf_counter()
     out = sync_weights(model, client, f"{out_dir}/v{k}" if method == "disk" else None,
                        method=method, version=k, tokenizer_from=model_dir)
-    return {"method": method, "seconds": time.perf_counter() - t, "bytes": out["bytes"]}
+    seconds = time.perf_counter() - t
+    split = {}
+    for name, a, b in spans:
+        lo, hi = split.get(name, (a, b))
+        split[name] = (min(lo, a), max(hi, b))
+    split = {n: hi - lo for n, (lo, hi) in split.items()}
+    if "save_s" in out:
+        split["(save checkpoint)"] = out["save_s"]
+    split["(rest)"] = seconds - sum(v for n, v in split.items() if n != "(broadcast)")
+    return {"method": method, "seconds": seconds, "bytes": out["bytes"], "split": split}
 print(json.dumps({"warmup": once("distributed", 0)}), flush=True)
 k = 1
 for _ in range(rounds):
@@ -132,8 +167,13 @@ def _alternate(root: Path, model: Path, addrs: str, rounds: int, backend: str, w
     mb = {m: by[m][0]["bytes"] / 1e6 for m in by}
     print(f"distributed first sync (builds the group): {warmup['seconds']:.2f}s", flush=True)
     for m in ("distributed", "disk"):
-        print(f"{m}: median {med[m]:.3f}s of {len(by[m])}, {mb[m]:.1f} MB per sync, "
-              f"{mb[m] / med[m]:.0f} MB/s ({what})", flush=True)  # fmt: skip
+        least = min(x["seconds"] for x in by[m])
+        print(f"{m}: median {med[m]:.3f}s (min {least:.3f}s) of {len(by[m])}, {mb[m]:.1f} MB "
+              f"per sync, {mb[m] / med[m]:.0f} MB/s ({what})", flush=True)  # fmt: skip
+        names = list(dict.fromkeys(n for x in by[m] for n in x["split"]))
+        parts = ", ".join(f"{n} {statistics.median(x['split'].get(n, 0) for x in by[m]) * 1000:.1f}"
+                          for n in names)  # fmt: skip
+        print(f"  {m} split, median ms: {parts}", flush=True)
     return med
 
 

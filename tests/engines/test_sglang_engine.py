@@ -33,10 +33,12 @@ def others(tmp_path_factory) -> list[Path]:
     return [create_tiny_model(root / f"seed{i}", seed=i) for i in (1, 2)]
 
 
-def trainer(srv: EngineServer, model: Path, method: str, version: str, tmp: Path, shift=0.0):
+def trainer(srv: EngineServer, model: Path, method: str, version: str, tmp: Path, shift=0.0,
+            syncs=1):  # fmt: skip
     cmd = [sys.executable, str(HERE / "engine_trainer.py"), "--model", str(model),
            "--server", srv.addr, "--backend", "sglang", "--method", method,
-           "--version", version, "--weights-dir", str(tmp), "--shift", str(shift)]  # fmt: skip
+           "--version", version, "--weights-dir", str(tmp), "--shift", str(shift),
+           "--syncs", str(syncs)]  # fmt: skip
     env = {**os.environ, "ENGINE_KEY": srv.key or "", "HF_HUB_OFFLINE": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stderr[-4000:]
@@ -103,6 +105,33 @@ def test_distributed_sync_over_gloo_moves_weights_and_version(sglang, model, oth
     assert greedy(sglang) == line["expected"]
     again = trainer(sglang, model, "distributed", "g2", tmp_path, shift=0.01)
     assert again["ok"] and greedy(sglang) == again["expected"] != line["expected"], again
+
+
+def test_a_reused_weight_group_costs_five_requests_a_sync(sglang, model, tmp_path):
+    # Each SGLang control request costs milliseconds on a CPU (its tokenizer manager, then
+    # its scheduler), so a sync asks no more than it must. 0.5.23 loads a distributed
+    # update only inside a session (srt/managers/scheduler_components/weight_updater.py:
+    # 192-197, begin/end :309-335), and a begin waits for running generations unless the
+    # engine is paused (managers/tokenizer_control_mixin.py:471-483): pause, begin,
+    # update, end, continue. The group is made once per trainer, /server_info (a round
+    # trip to the scheduler, entrypoints/http_server.py:863-892) asked once, and the tiny
+    # model's tensors go as one flattened_bucket: one update per sync
+    # (model_runner_components/weight_updater.py:260-310).
+    start = len(sglang.log())
+    line = trainer(sglang, model, "distributed", "r3", tmp_path, shift=0.02, syncs=3)
+    assert line["ok"] and line["version"] == "r3", line
+    assert sglang.get("/model_info")[1]["weight_version"] == "r3"
+    assert greedy(sglang) == line["expected"]
+    log = sglang.log()[start:]
+
+    def answered(route: str) -> int:
+        return log.count(f'{route} HTTP/1.1" 200')
+
+    assert answered("GET /server_info") == 1 and answered("POST /init_weights_update_group") == 1
+    for route in ("/pause_generation", "/begin_weight_update", "/update_weights_from_distributed",
+                  "/end_weight_update", "/continue_generation"):  # fmt: skip
+        assert answered(f"POST {route}") == 3, (route, log[-3000:])
+    assert answered("POST /destroy_weights_update_group") == 1  # the trainer's exit
 
 
 def test_ps_logs_and_stop_leave_nothing(sglang):

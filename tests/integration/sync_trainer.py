@@ -35,7 +35,10 @@ def main() -> None:
     ap.add_argument("--bucket-bytes", type=int, default=256 << 20)
     ap.add_argument("--wait-file", default=None)
     ap.add_argument("--weights-dir", default=None)
-    ap.add_argument("--flatten", action="store_true", help="send flattened_bucket buckets")
+    ap.add_argument("--flatten", nargs="?", const="all", default="auto",
+                    choices=["auto", "all", "none"],
+                    help="flattened_bucket buckets: all, none (tensor by tensor), or auto "
+                    "(sync_weights' default)")  # fmt: skip
     ap.add_argument("--stall-timeout", type=float, default=10.0)
     ap.add_argument("--probe-timeout", type=float, default=5.0)
     ap.add_argument("--no-instance-id", action="store_true",
@@ -91,7 +94,7 @@ def main() -> None:
                 timeout=args.timeout,
                 bucket_bytes=args.bucket_bytes,
                 tokenizer_from=args.model if args.method == "disk" else None,
-                flatten=args.flatten or None,
+                flatten={"auto": None, "all": True, "none": False}[args.flatten],
             )
             line.update(ok=True, version=out["version"], bytes=out["bytes"])
             line.update(servers=out["servers"], failed=out["failed"], versions=out["versions"])

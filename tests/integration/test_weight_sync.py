@@ -83,9 +83,11 @@ def test_distributed_sync_reaches_every_replica_and_reuses_its_group(models, tmp
     servers = start(models["tiny"], tmp_path, 2)
     try:
         before = [greedy(s) for s in servers]
-        # Tensor by tensor (what gloo takes), then one trainer more sending flattened buckets
-        # (what nccl takes): each trainer makes one group and reuses it for its syncs.
-        for run, extra in enumerate([[], ["--flatten"]], start=1):
+        # By default over gloo (the tiny model's tensors are all small: one flattened bucket),
+        # then tensor by tensor, then flattened buckets of everything (what nccl takes): each
+        # trainer makes one group and reuses it for its syncs.
+        variants = [[], ["--flatten", "none"], ["--flatten", "all"]]
+        for run, extra in enumerate(variants, start=1):
             lines = run_trainer(trainer(models["tiny"], servers, "--syncs", "3", *extra))
             assert [x["ok"] for x in lines] == [True, True, True], (extra, lines)
             for s in servers:
