@@ -8,9 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from areal_cli.commands.doctor_hang import STATE_STYLE, _ranks_text, render_hang  # noqa: F401
 
 from areal_cli import console
+from areal_cli.commands.doctor_hang import STATE_STYLE, _ranks_text, render_hang  # noqa: F401
 
 app = typer.Typer(
     help="""Diagnose distributed training: hangs, debug env presets, all_reduce, host health, mesh.

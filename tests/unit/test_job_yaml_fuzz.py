@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from areal_cli.commands import serve as serve_cmd
-from areal_cli.commands import train as train_cmd
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from areal_cli.cli import main
+from areal_cli.commands import serve as serve_cmd
+from areal_cli.commands import train as train_cmd
 
 # Keys that would make the command go on to real work if they happened to be valid.
 _SKIP = {"model", "scheduler", "script", "servers", "registry"}
