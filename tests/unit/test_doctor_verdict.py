@@ -454,3 +454,20 @@ def test_to_json_has_the_documented_shape():
     } <= set(data["verdict"])
     assert {"progress", "wakeups"} <= set(data["ranks"][0])
     assert data["ranks"][0]["frame"]["line"] == 10
+
+
+def test_our_example_scripts_are_the_users_code_wherever_they_are_installed():
+    from areal_cli.diagnose.verdict import is_user_frame, user_frame
+
+    lib = "/venv/lib/python3.11/site-packages"
+    for root in (lib, "/work/checkout/src"):  # a wheel, the checkout's compat install
+        repro = Frame("skip_collective", f"{root}/areal_cli/templates/allreduce_repro.py", 40)
+        ours = Frame("wait", f"{root}/areal_cli/worker/runtime.py", 9)
+        assert is_user_frame(repro) and not is_user_frame(ours)
+        torch = Frame("all_reduce", f"{lib}/torch/distributed/distributed_c10d.py", 2800)
+        assert user_frame((torch, ours, repro)) == repro
+    from areal_cli.diagnose.why import user_frame as why_frame
+
+    got = why_frame([(f"{lib}/areal_cli/templates/grpo/train.py", 88, "main"),
+                     (f"{lib}/torch/nn/modules/module.py", 1700, "_call_impl")])  # fmt: skip
+    assert got == (f"{lib}/areal_cli/templates/grpo/train.py", 88, "main")

@@ -213,8 +213,16 @@ class Analysis:
 # --------------------------------------------------------------------------- frames
 
 
+# Our example scripts (the GRPO example, the all_reduce repro) are the user's code wherever
+# they are installed: a wheel puts them under site-packages/areal_cli/templates/, the
+# checkout's install under src/areal_cli/templates/.
+TEMPLATES = "/areal_cli/templates/"
+
+
 def is_user_frame(f: Frame) -> bool:
-    return not f.native and not _LIBRARY.search(f.file) and f.file != "?"
+    if f.native or f.file == "?":
+        return False
+    return TEMPLATES in f.file or not _LIBRARY.search(f.file)
 
 
 def user_frame(frames: tuple[Frame, ...]) -> Frame | None:

@@ -229,6 +229,8 @@ def user_frame(frames: Sequence[tuple[str, int, str]]) -> tuple[str, int, str] |
     package (site-packages), not torch itself."""
     for f in reversed(frames):
         path = f[0]
+        if "/areal_cli/templates/" in path:
+            return f  # our example scripts are the user's code (verdict.TEMPLATES)
         if path.startswith("<") or "site-packages/" in path or "dist-packages/" in path:
             continue
         if re.search(r"/lib/python3\.\d+/", path) or "/torch/" in path:
