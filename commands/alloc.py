@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import typer
-
 HELP = """Explain an allocation string: its components, parallel dims and GPU count.
 
 [bold]Grammar[/]: AReaL's. backend\\[name]:dims, joined by [bold]+[/] (separate GPUs) or [bold]|[/] (shared GPUs, names required). Inference backends sglang, vllm, hf take d (replicas), t, p; fsdp takes d, t, c (p and e only as 1); megatron and archon take d, t, p, c, e. World size = d·t·p·c.
@@ -18,19 +16,27 @@ A bad string is shown with a caret under the problem and a hint (exit 2).
 """
 
 
-def register(app: typer.Typer) -> None:
+def register(app) -> None:
+    # typer is imported here only: `areal alloc S [--json]` runs `show` straight from
+    # areal_cli.cli, without typer's 50 ms of start-up.
+    import typer
+
     @app.command("alloc", help=HELP)
     def _cmd(
         text: str = typer.Argument(..., metavar="STRING", help="The allocation string."),
         json_out: bool = typer.Option(False, "--json", help="Print the parse as JSON."),
     ) -> None:
-        from areal_cli import alloc, console
+        show(text, json_out)
 
-        allocation = alloc.parse(text)
-        if json_out:
-            console.print_json(allocation.to_json())
-            return
-        console.out.print(render(allocation))
+
+def show(text: str, json_out: bool) -> None:
+    from areal_cli import alloc, console
+
+    allocation = alloc.parse(text)
+    if json_out:
+        console.print_json(allocation.to_json())
+        return
+    console.out.print(render(allocation))
 
 
 def render(allocation):

@@ -66,7 +66,29 @@ def __getattr__(name: str):
 
 
 def _fast(args: list[str]) -> int | None:
-    """The exit code of a command run without typer, or None when typer must parse `args`."""
+    """The exit code of a command run without typer, or None when typer must parse `args`.
+
+    typer (with click) costs about 50 ms of start-up, twice a bare interpreter's: the
+    commands scripts call in loops take their plain forms here (`--version`, `ps [--all]
+    [--json]`, `alloc S [--json]`, `doctor hang` with plain flags). Anything else, --help or
+    a flag these forms do not take included, goes to typer, which parses and judges it."""
+    if args == ["--version"]:
+        from areal_cli import __version__
+
+        print(f"areal {__version__}")
+        return 0
+    if args[:1] == ["ps"] and _only_flags(args[1:], ("--all", "--json")):
+        from areal_cli.commands import listing
+
+        listing.show("--all" in args, None, "--json" in args)
+        return 0
+    if args[:1] == ["alloc"] and 2 <= len(args) <= 3:
+        text = [a for a in args[1:] if a != "--json"]
+        if len(text) == 1 and not text[0].startswith("-") and len(args) - 2 == ("--json" in args):
+            from areal_cli.commands import alloc
+
+            alloc.show(text[0], "--json" in args)
+            return 0
     if args[:2] == ["doctor", "hang"]:
         from areal_cli.commands import doctor_hang
 
@@ -74,6 +96,11 @@ def _fast(args: list[str]) -> int | None:
         if opts is not None:
             return doctor_hang.run(**opts)
     return None
+
+
+def _only_flags(args: list[str], allowed: tuple[str, ...]) -> bool:
+    """Each of `args` is one of `allowed`, none twice."""
+    return set(args) <= set(allowed) and len(set(args)) == len(args)
 
 
 def main(argv: list[str] | None = None) -> None:

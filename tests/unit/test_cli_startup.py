@@ -46,15 +46,18 @@ def commands_loaded(modules: set[str]) -> set[str]:
 @pytest.mark.parametrize(
     "args, modules",
     [
-        (["ps", "--json"], {"jobs", "_common"}),
+        (["ps", "--json"], {"listing"}),
+        (["ps", "--all", "--json"], {"listing"}),
         (["alloc", "sglang:d2+fsdp:d4", "--json"], {"alloc"}),
+        (["alloc", "--json", "sglang:d2+fsdp:d4"], {"alloc"}),
         (["--version"], set()),
     ],
 )
 def test_fast_paths_import_nothing_heavy(tmp_path, args, modules):
+    """Scripts call these in loops: no typer either (about 50 ms, twice an interpreter)."""
     res, mods = loaded(tmp_path, *args)
     assert res.returncode == 0, res.stderr
-    assert not roots(mods) & HEAVY, sorted(roots(mods) & HEAVY)
+    assert not roots(mods) & (HEAVY | {"typer", "click"}), sorted(roots(mods) & HEAVY)
     assert commands_loaded(mods) == modules
     # Machine output needs no rich; ps with no jobs probes nothing.
     assert "rich" not in roots(mods)
@@ -98,6 +101,37 @@ def test_unknown_command_is_exit_2_with_a_suggestion(tmp_path):
     assert res.returncode == 2
     assert "No such command 'trian'" in res.stderr
     assert "'train'" in res.stderr
+
+
+def test_the_plain_forms_answer_as_typer_does(tmp_path):
+    """The same output and exit code with and without typer; a bad allocation is exit 2."""
+    env = {**os.environ, "COLUMNS": "80", "AREAL_HOME": str(tmp_path)}
+    for args in (["--version"], ["alloc", "fsdp:d2t2", "--json"], ["alloc", "bad:x", "--json"]):
+        plain = subprocess.run([sys.executable, "-m", "areal_cli", *args], capture_output=True,
+                               text=True, env=env, timeout=60)  # fmt: skip
+        # --debug is a typer option: it takes the typer path for the same command.
+        typed = subprocess.run([sys.executable, "-m", "areal_cli", "--debug", *args],
+                               capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
+        assert (plain.returncode, plain.stdout) == (typed.returncode, typed.stdout), args
+    assert plain.returncode == 2 and "unknown backend 'bad'" in plain.stderr
+    assert "Traceback" not in plain.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["ps", "--json", "--json"],
+        ["ps", "--help"],
+        ["ps", "-h"],
+        ["ps", "--home", "/tmp"],
+        ["alloc", "--json"],
+        ["alloc", "a", "b"],
+        ["alloc", "--help", "--json"],
+        ["--version", "ps"],
+    ],
+)
+def test_what_the_plain_forms_do_not_take_goes_to_typer(args):
+    assert cli._fast(args) is None
 
 
 def test_doctor_hang_with_plain_flags_skips_typer(tmp_path):

@@ -1,0 +1,81 @@
+"""`areal ps` itself, without typer: `areal ps [--all] [--json]` runs it straight from
+areal_cli.cli (scripts poll it; typer alone costs about 50 ms of start-up), and the typer
+command calls it with the same arguments."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from areal_cli import console, settings
+
+
+def show(all_: bool, home: Path | None, json_out: bool) -> None:
+    from areal_cli import schedulers
+    from areal_cli.errors import WaitTimeout
+
+    jobs_, unanswered = [], []
+    for sched in schedulers.used(settings.home(home)):
+        try:
+            jobs_ += [j.to_json() for j in sched.list(include_ended=all_)]
+        except WaitTimeout as e:
+            # One scheduler's controller not answering hides none of the others' jobs; the
+            # command still exits 3 after listing what it knows.
+            unanswered.append(e)
+    jobs_.sort(key=lambda j: j["started"], reverse=True)
+    if json_out:
+        console.print_json(jobs_)
+    elif not jobs_ and not unanswered:
+        console.out.print(
+            "no jobs" + ("" if all_ else " running (areal ps --all shows ended ones)")
+        )
+    elif jobs_:
+        _ps_table(jobs_)
+    if unanswered:
+        raise unanswered[0]
+
+
+def _ps_table(jobs_: list[dict]) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    t = Table()
+    t.add_column("job", no_wrap=True)
+    for col in ("kind", "state", "age", "where", "servers", "GPUs"):
+        t.add_column(col, no_wrap=col in ("kind", "state", "servers"))
+    for j in jobs_:
+        servers = "\n".join(
+            (
+                f"[red]✗ {s['addr']}[/]"
+                if s.get("exit_code") is not None
+                else f"[{'green' if s['healthy'] else 'red'}]{'●' if s['healthy'] else '○'}[/] "
+                f"{s['addr']}"
+            )
+            + (" [yellow]paused[/]" if s.get("paused") else "")
+            for s in j["servers"]
+        )
+        gpus_ = ",".join(str(g) for s in j["servers"] for g in s.get("gpus", [])) or "cpu"
+        state_color = {"running": "green", "failed": "red", "dead": "red"}.get(j["state"], "yellow")
+        state = f"[{state_color}]{j['state']}[/]"
+        if j.get("world_size"):
+            state += f"\nranks {j.get('ranks_alive') or 0}/{j['world_size']}"
+        if j.get("reason"):
+            state += f"\n[dim]{escape(j['reason'])}[/]"
+        if j.get("watchdog"):  # the last stall: its verdict (the bundle is in `areal logs`)
+            w = j["watchdog"]
+            odd = f" ranks {','.join(map(str, w['odd_ranks']))}" if w.get("odd_ranks") else ""
+            state += f"\n[red]stalled: {escape(str(w.get('kind')))}{odd}[/]"
+        if not j["job_id"]:  # processes of this host, no cluster job
+            where = "pids " + " ".join(map(str, j["pids"]))
+        else:
+            where = f"{j['scheduler']} {j['job_id']}" + (
+                f"\n{','.join(j['nodes'])}" if j["nodes"] else ""
+            )
+        name = j["name"] + (f"\n[dim]{escape(j['model'])}[/]" if j.get("model") else "")
+        t.add_row(name, j["kind"], state, _age(j["started"]), where, servers or "-", gpus_)
+    console.out.print(t)
+
+
+def _age(started: float) -> str:
+    s = int(time.time() - started)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
