@@ -6,7 +6,7 @@ TORCH   ?= torch==2.13.0
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install demo test test-engines engines lint format bench clean
+.PHONY: install demo test test-engines engines areal test-areal lint format bench clean
 
 install: $(STAMP)
 
@@ -30,7 +30,7 @@ demo: install
 # time real processes on two shared cores can miss a deadline under load; both results print.
 # The 15 slowest tests print at the end: what to look at when the suite grows slower.
 test: install lint
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 3 --dist loadfile --reruns 1 --durations 15 -m "not engines"
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 3 --dist loadfile --reruns 1 --durations 15 -m "not engines and not areal"
 
 # The CPU builds of SGLang 0.5.23 and vLLM 0.32 in $$AREAL_ENGINES (default
 # /var/cache/areal-engines), outside the checkout so every checkout on the machine reuses them.
@@ -41,6 +41,17 @@ engines:
 # most of the cores while it loads). Skips without `make engines`; AREAL_REQUIRE_ENGINES=1 fails.
 test-engines: install
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q --reruns 1 -m engines tests/engines tests/conformance
+
+# AReaL 1.0.4's own venv (its trainer over torch 2.13.0+cpu) in $$AREAL_ENGINES/areal, built
+# once per machine like the engines.
+areal:
+	bash scripts/areal-venv.sh
+
+# AReaL's own trainer through `areal train --areal-overrides` against `areal serve` (hf, and
+# the real SGLang when `make engines` built it). Skips without `make areal`;
+# AREAL_REQUIRE_AREAL=1 fails.
+test-areal: install
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q --durations 10 -m areal tests/areal
 
 lint: install
 	$(BIN)/ruff check .

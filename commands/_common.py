@@ -23,9 +23,21 @@ TrialOpt = typer.Option(
 HomeOpt = typer.Option(
     None, "--home", help="Job records and logs (env AREAL_HOME; default ~/.cache/areal)."
 )
+
+
+def _use_registry(value: str | None) -> str | None:
+    """--registry stands for AREAL_REGISTRY in this command, wherever it reads the registry
+    (a job's own records name theirs; this one is where new entries go and what is asked)."""
+    if value:
+        settings.use_registry(value)
+    return value
+
+
+# One definition for every command that reads or writes the registry.
 RegistryOpt = typer.Option(
     None,
     "--registry",
+    callback=_use_registry,
     help=f"Registry: a directory or etcd://HOST:PORT (env AREAL_REGISTRY; default {settings.DEFAULT_REGISTRY}).",
 )
 JsonOpt = typer.Option(False, "--json", help="Machine-readable output on stdout.")
@@ -302,6 +314,8 @@ def show_plan(request, json_out: bool) -> None:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(p["env"].items()))
         console.print(f"  env   {escape(env)}")
         console.print(f"  log   {p['log_path']}")
+    for note in plan.notes:
+        console.print(f"[yellow]note[/] {escape(note)}")
     script = getattr(plan, "script", None)
     if script:
         console.print(f"[bold cyan]{request.scheduler} batch script[/]")
@@ -493,9 +507,16 @@ def run_detached(sched, request, json_out: bool) -> None:
         console.print_json({**job.to_json(), "servers": servers})
         return
     where = f" ({sched.label} job {handle.job_id})" if handle.job_id else ""
-    console.out.print(
-        f"[green]ready[/] {handle.name}{where}: {len(servers)} server(s) healthy and registered"
-    )
+    if plan.trainers:
+        # Training runs on in the background: say how to follow, diagnose and end it.
+        with_servers = f" with {len(servers)} server(s)" if servers else ""
+        console.out.print(f"[green]started[/] {handle.name}{where}: training{with_servers}")
+        console.out.print(f"follow with: areal logs {handle.name} -f")
+        console.out.print(f"if it hangs: areal doctor hang --job {handle.name}")
+    else:
+        console.out.print(
+            f"[green]ready[/] {handle.name}{where}: {len(servers)} server(s) healthy and registered"
+        )
     for s in servers:
         node = f"  node {s['node']}" if handle.job_id and s["node"] else ""
         console.out.print(

@@ -11,6 +11,9 @@ import typer
 
 from areal_cli import console
 from areal_cli.commands.doctor_hang import STATE_STYLE, _ranks_text, render_hang  # noqa: F401
+from areal_cli.diagnose import hang_rules
+
+from ._common import RegistryOpt
 
 app = typer.Typer(
     help="""Diagnose distributed training: hangs, debug env presets, all_reduce, host health, mesh.
@@ -63,19 +66,21 @@ def hang_cmd(
         None, "--out", help="Write raw per-rank dumps and summary.json here."
     ),
     home: str = typer.Option(None, "--home", help="AREAL_HOME holding job records (for --job)."),
+    registry: str = RegistryOpt,
 ) -> None:
     """Dump every rank's Python stack at once, group identical stacks, name the odd rank.
 
     Without --pid or --job: every torchrun/areal job of this user on this host.
 
-    Verdicts: mismatched_collective, collective_type_mismatch, missing_rank,
-    blocked_outside_collective, straggler, collective_stuck, progressing, no_hang.
-    A hang is called only when nothing moved across the samples (3 over about 1 s).
+    Verdicts, in the order they are tried: {kinds}. Each carries advice (restart, stop or
+    unknown, and why). A hang is called only when nothing moved across the samples (3 over
+    about 1 s).
 
     --json prints {job, ranks, groups, verdict, samples, errors, timing}; with several
     jobs, the first that hangs is at the top level and all are under "jobs".
 
-    Exit code: 0 verdict reached · 1 a dump failed · 2 bad target.
+    Exit code: 0 a verdict was reached, a hang found included (the verdict says which; with
+    --json, its "verdict" field) · 1 a rank could not be dumped · 2 bad target or usage.
 
     \b
     Examples:
@@ -97,9 +102,15 @@ def hang_cmd(
         json_out=json_out,
         out_dir=out_dir,
         home=home,
+        registry=registry,
     )
     if rc:
         raise typer.Exit(rc)
+
+
+# The kinds are read from the verdict table itself, so a new row shows here without an edit
+# (hang_rules imports nothing: the help does not pay for the judging code).
+hang_cmd.__doc__ = (hang_cmd.__doc__ or "").replace("{kinds}", hang_rules.help_text())
 
 
 # =========================================================================== env
@@ -176,12 +187,14 @@ def _list_presets(presets, shell: str) -> None:
             [{"name": p.name, "description": p.description, "vars": p.env()} for p in items]
         )
         return
+    # Two columns, the variables under the description: a third column squeezed the text to
+    # a word per line at 80 columns (and in a pipe, which rich lays out 80 wide).
     table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
     table.add_column("preset", style="bold cyan", no_wrap=True)
-    table.add_column("what it is for")
-    table.add_column("variables", style="dim")
+    table.add_column("what it is for · variables")
     for p in items:
-        table.add_row(p.name, p.description, " ".join(v.name for v in p.vars))
+        names = " ".join(v.name for v in p.vars)
+        table.add_row(p.name, f"{p.description}\n[dim]{names}[/]")
     console.out.print(table)
 
 
@@ -197,7 +210,16 @@ def _explain(p, shell: str) -> None:
             }
         )
         return
+    from rich.markup import escape
+
     console.out.print(f"[bold]{p.name}[/]: {p.description}")
+    wide = max(len(v.name) for v in p.vars) + max(len(v.value) for v in p.vars) + 4
+    if console.out.width - wide < MEANING_MIN:
+        # Too narrow for three columns (80 wide, a pipe): each variable, its meaning under it.
+        for v in p.vars:
+            console.out.print(f"[cyan]{v.name}[/]=[bold]{escape(v.value)}[/]")
+            console.out.print(f"    {escape(v.meaning)}")
+        return
     table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
     table.add_column("variable", style="cyan", no_wrap=True)
     table.add_column("value", style="bold", no_wrap=True)
@@ -205,6 +227,9 @@ def _explain(p, shell: str) -> None:
     for v in p.vars:
         table.add_row(v.name, v.value, v.meaning)
     console.out.print(table)
+
+
+MEANING_MIN = 40  # a meaning column narrower than this reads a word or two per line
 
 
 # =========================================================================== allreduce
@@ -362,14 +387,18 @@ def _add_row(t, row) -> None:
 def check_cmd(
     json_out: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
     home: str = typer.Option(None, "--home", help="AREAL_HOME holding job records."),
-    registry: str = typer.Option(
-        None, "--registry", help="Registry root (default AREAL_REGISTRY)."
-    ),
+    registry: str = RegistryOpt,
     scheduler: str = typer.Option(
         None,
         "--scheduler",
         help="Also the scheduler's own rows: slurm (version, partitions, shared files), ray "
         "(client and cluster, nodes, shared files).",
+    ),
+    python: str = typer.Option(
+        None,
+        "--python",
+        help="The trainer's interpreter: AReaL's version there, the sglang metadata its "
+        "trainer needs, and served SGLang versions against AReaL's pin.",
     ),
 ) -> None:
     """Is this host ready to run and debug jobs? One row per fact, with the fix.
@@ -383,6 +412,7 @@ def check_cmd(
     Examples:
       areal doctor check
       areal doctor check --scheduler slurm
+      areal doctor check --python ~/areal-venv/bin/python   # AReaL's trainer venv
       areal doctor check --json | jq '.rows[] | select(.status != "pass")'
     """
     from areal_cli import schedulers
@@ -391,9 +421,11 @@ def check_cmd(
     scheduler = schedulers.pick(scheduler) if scheduler else None
     if not json_out and console.err.is_terminal:
         with console.err.status("checking this host..."):
-            rows = check.run_checks(home=home, registry=registry, scheduler=scheduler)
+            rows = check.run_checks(
+                home=home, registry=registry, scheduler=scheduler, python=python
+            )
     else:
-        rows = check.run_checks(home=home, registry=registry, scheduler=scheduler)
+        rows = check.run_checks(home=home, registry=registry, scheduler=scheduler, python=python)
     failed = [r for r in rows if r.status == check.FAIL]
     if json_out:
         console.print_json(
@@ -458,12 +490,18 @@ def mesh_cmd(
         return
     from rich.table import Table
 
+    from areal_cli.parallel import ORDER
+
     dims = m.names
+    # A dimension of size 1 is no dimension of the workers' DeviceMesh: say so, rather than
+    # leave the reader looking for its column.
+    flat = [f"{d}=1" for d in ORDER if d not in dims]
     console.out.print(
         f"[bold]{m.component}[/] · world size {m.world_size} · "
         + " × ".join(f"{d}={s}" for d, s in m.dims.mesh_dims)
         + " · order outermost→innermost: "
         + ", ".join(dims)
+        + (f" · {', '.join(flat)}: size 1, not in the mesh" if flat else "")
     )
     t = Table(box=None, header_style="bold", pad_edge=False)
     t.add_column("rank", justify="right", style="bold")
@@ -502,6 +540,7 @@ def why_cmd(
     kind: str = typer.Option(None, "--kind", help="serve | train (default: the training job)."),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     home: str = typer.Option(None, "--home", help="AREAL_HOME holding job records."),
+    registry: str = RegistryOpt,
 ) -> None:
     """Name the first failure of a job that died and its kind; label what followed from it.
 
@@ -509,12 +548,17 @@ def why_cmd(
     torchrun's ChildFailedError, AReaL's JobException): those are listed as secondary,
     each saying which failure caused it.
 
-    Kinds: python_exception (with your file:line), cpu_oom, cuda_oom, oom_killer,
-    collective_mismatch, collective_timeout, connection_lost, signal (and who sent it:
-    areal stop, Slurm cancel, time limit, preemption), server_died, native_abort.
+    Each kind carries advice for what to do next: restart (it may pass), stop (it would
+    repeat) or unknown, with the reason. Kinds, their advice:
 
-    --json prints {root_cause: {rank, source, kind, message, where, ...}, secondary:
-    [...], sources}.
+    {KINDS}
+
+    --json prints {root_cause: {rank, source, kind, message, where, advice, ...}, advice:
+    {action, reason}, secondary: [...], sources}; where the rank that failed first cannot be
+    told, root_cause has no rank but "unsure" and "candidates".
+
+    Each log is read whole, however long: a failure followed by gigabytes of
+    other lines is found. Only regular files are logs (not a FIFO or a device).
 
     Exit code: 0 root cause named · 1 no failure found · 2 bad target.
 
@@ -525,7 +569,7 @@ def why_cmd(
       areal doctor why --log torchrun.log      # a log from anywhere
       areal doctor why --log slurm-4711.out rank-*.log
     """
-    from areal_cli.diagnose import why
+    from areal_cli.diagnose import logread, why
     from areal_cli.errors import EXIT_FAILED, UsageError
 
     targets = list(targets or [])
@@ -538,9 +582,10 @@ def why_cmd(
     if log:
         paths = []
         for t in targets:
+            bad = logread.not_a_log(t)  # before any open: a FIFO's would block
+            if bad:
+                raise UsageError(f"{bad}: {t}")
             p = Path(t)
-            if not p.is_file():
-                raise UsageError(f"no such log file: {t}")
             paths.append((p.name, p))
         rep = why.analyze(why.parse_files(paths), kernel)
         rep.sources = [str(p) for _, p in paths]
@@ -559,6 +604,17 @@ def why_cmd(
         _render_why(rep, name)
     if rep.root is None:
         raise typer.Exit(EXIT_FAILED)
+
+
+def _kinds_help() -> str:
+    from areal_cli.diagnose.why_kinds import kinds_help
+
+    # Indented as the docstring around it, so that help's dedent keeps the list's own.
+    return "\b\n" + "\n".join("    " + line for line in kinds_help().splitlines())
+
+
+# The kinds come from the table the verdict uses (diagnose/why_kinds.py), so help lists them all.
+why_cmd.__doc__ = why_cmd.__doc__.replace("{KINDS}", _kinds_help())
 
 
 def _why_job(name: str, kind: str | None, home: str | None, kernel):
@@ -622,6 +678,14 @@ def _render_why(rep, name: str | None) -> None:
         out.print(f"  sent by: {escape(r.sender)}")
     if r.hint:
         out.print(f"  [yellow]{escape(r.hint)}[/]")
+    if rep.unsure:
+        out.print(
+            f"  unsure: {escape(rep.unsure)} (candidates: ranks {_ranks_text(rep.candidates)})"
+        )
+    if rep.advice:
+        out.print(
+            f"[bold]advice:[/] [bold]{rep.advice['action']}[/] · {escape(rep.advice['reason'])}"
+        )
     if rep.secondary:
         out.print(f"[bold]secondary[/] ({len(rep.secondary)}), each caused by the root cause:")
         # One row per failure, however many ranks show it (addresses and pids aside).

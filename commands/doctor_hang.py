@@ -39,6 +39,7 @@ _VALUED = {
     "--timeout": ("timeout", float),
     "--out": ("out_dir", _path),
     "--home": ("home", str),
+    "--registry": ("registry", str),
 }
 _FLAGS = {"--native": "native", "--locals": "show_locals", "--json": "json_out"}
 _BOUNDS = {"samples": (1, 100), "interval": (0.0, None), "timeout": (0.5, None)}
@@ -56,6 +57,7 @@ def defaults() -> dict:
         "json_out": False,
         "out_dir": None,
         "home": None,
+        "registry": None,
     }
 
 
@@ -79,12 +81,14 @@ def parse_plain(args: list[str]) -> dict | None:
             i += 1
         i += 1
         key, kind = _VALUED[name]
+        if not value.strip():  # an empty --out or --home: typer's message
+            return None
         try:
             parsed = kind(value)
         except ValueError:
             return None
-        if kind is float and parsed != parsed:  # nan
-            return None
+        if kind is float and parsed - parsed != 0:
+            return None  # nan or inf (x - x is nan for both): typer's message
         lo, hi = _BOUNDS.get(key, (None, None))
         if (lo is not None and parsed < lo) or (hi is not None and parsed > hi):
             return None
@@ -106,9 +110,15 @@ def run(
     json_out: bool,
     out_dir: Path | None,
     home: str | None,
+    registry: str | None = None,
 ) -> int:
-    """Dump, judge and print; the exit code (1 when a dump failed)."""
+    """Dump, judge and print; the exit code (1 when a dump failed; a hang found is 0)."""
     import time
+
+    if registry:
+        from areal_cli import settings
+
+        settings.use_registry(registry)
 
     from areal_cli.diagnose import hang, targets
     from areal_cli.errors import UsageError
@@ -146,8 +156,9 @@ def run(
     finally:
         if status is not None:
             status.stop()
-    from areal_cli import console
+    from areal_cli import console, settings
 
+    hang.note_refused(reports, settings.registry_url())
     written = hang.write_bundle(reports, out_dir) if out_dir else []
     if json_out:
         data = hang.to_json(reports)
@@ -218,8 +229,12 @@ def render_hang(rep, show_locals: bool = False) -> None:
             where = sorted({node_of[r] for r in v.odd_ranks if r in node_of})
             on = f" (node {', '.join(where)})" if where else ""
             console.out.print(f"  odd ranks: [bold red]{_ranks_text(v.odd_ranks)}[/]{on}")
+        elif v.candidates:  # the evidence cannot tell which side is wrong: none is named
+            console.out.print(f"  odd ranks: unknown (candidates {_ranks_text(v.candidates)})")
         if v.hint:
             console.out.print(f"  [yellow]hint:[/] {escape(v.hint)}")
+        if v.is_hang and v.advice_reason:
+            console.out.print(f"  advice: [bold]{v.advice}[/] ({escape(v.advice_reason)})")
         for rank, e in sorted(v.reached.items()):  # from the flight recorder
             console.out.print(f"  [dim]rank {rank}: {escape(e.label())}[/]")
     tree = Tree(f"[bold]{escape(job.label)}[/]", guide_style="dim")

@@ -11,6 +11,8 @@ import typer
 
 from areal_cli import console
 
+from ._common import RegistryOpt
+
 PID_HELP = "A rank, or a launcher (torchrun, areal) whose workers to read. Repeatable."
 JOB_HELP = "A job record EXPERIMENT/TRIAL (see `areal ps`)."
 
@@ -47,10 +49,11 @@ def diverge_cmd(
     pid: list[int] = typer.Option(None, "--pid", "-p", help=PID_HELP),
     job: str = typer.Option(None, "--job", "-j", help=JOB_HELP),
     timeout: float = typer.Option(
-        60.0, "--timeout", min=1.0, help="Seconds to wait for the ranks to reach the step."
+        60.0, "--timeout", min=1.0, help="Seconds for it all: the ranks' answers and the step."
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     home: str = typer.Option(None, "--home", help="AREAL_HOME holding job records (for --job)."),
+    registry: str = RegistryOpt,
 ) -> None:
     """Ask a live job's ranks whether the tensors they should share agree.
 
@@ -61,7 +64,8 @@ def diverge_cmd(
     Replicate, a plain tensor across the dp group. Checksums travel; a mismatch is
     confirmed on the tensor (largest absolute difference from the reference rank).
 
-    Exit code: 0 all agree · 1 a mismatch · 2 bad target · 3 the step never came.
+    Exit code: 0 all agree · 1 a mismatch · 2 bad target (ranks that watch no model,
+    a stopped rank) · 3 the step never came.
 
     \b
     Examples:
@@ -137,6 +141,7 @@ def memory_cmd(
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     home: str = typer.Option(None, "--home", help="AREAL_HOME holding job records (for --job)."),
+    registry: str = RegistryOpt,
 ) -> None:
     """Each rank's memory beside the host's and the cgroup's limits; the biggest rank named.
 
@@ -236,6 +241,7 @@ def profile_cmd(
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     home: str = typer.Option(None, "--home", help="AREAL_HOME holding job records (for --job)."),
+    registry: str = RegistryOpt,
 ) -> None:
     """Record every rank with py-spy at once; name the rank the others wait for.
 

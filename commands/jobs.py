@@ -8,6 +8,7 @@ import typer
 
 from areal_cli import console, settings
 from areal_cli.errors import UsageError
+from areal_cli.logfiles import ROLES  # the one table of log roles (`--role` help, the reader)
 from areal_cli.schedulers.api import parse_name
 
 from ._common import COLORS, HomeOpt, JsonOpt, LinePrinter, RegistryOpt
@@ -31,6 +32,7 @@ Examples:
 def ps(
     all_: bool = typer.Option(False, "--all", help="Include jobs that have ended."),
     home: Path = HomeOpt,
+    registry: str = RegistryOpt,
     json_out: bool = JsonOpt,
 ) -> None:
     from areal_cli.commands import listing
@@ -53,12 +55,13 @@ def logs(
     follow: bool = typer.Option(
         False, "--follow", "-f", help="Keep printing new lines until the job ends."
     ),
-    role: str = typer.Option(None, "--role", "-r", help="server | rank | torchrun | supervisor."),
+    role: str = typer.Option(None, "--role", "-r", help=" | ".join(ROLES) + "."),
     index: int = typer.Option(
         None, "--index", "-i", min=0, help="Only process/rank N of that role."
     ),
     lines: int = typer.Option(50, "--lines", "-n", min=0, help="Lines of history per file."),
     home: Path = HomeOpt,
+    registry: str = RegistryOpt,
 ) -> None:
     sched, handle = _one_job(name, None, home)
     printer = LinePrinter(console.out)
@@ -143,7 +146,13 @@ def stop(
             _one_job(name, kind, home)  # raises the "no job" error with its hint
         live = []
         for sched, handle in found:
-            job = sched.describe(handle)
+            try:
+                job = sched.describe(handle)
+            except WaitTimeout:
+                # Its cluster does not answer: whether it runs is unknown, and its cancel
+                # ends what it can without the cluster before it says so.
+                live.append((sched, handle))
+                continue
             if job is not None and job.state in LIVE:
                 live.append((sched, handle))
         # Nothing runs: still sweep every job's leftovers (processes, registry entries).

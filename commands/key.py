@@ -10,7 +10,7 @@ import typer
 from areal_cli import settings
 from areal_cli.errors import UsageError
 
-from ._common import HomeOpt
+from ._common import HomeOpt, RegistryOpt
 
 HELP = """Print the API key of servers you started as E/T, for a client of your own.
 
@@ -32,7 +32,7 @@ def register(app: typer.Typer) -> None:
     def key(
         name: str = typer.Argument(..., help="The servers' job, EXPERIMENT/TRIAL."),
         file: Path = typer.Option(
-            None, "--file", help="Write the key to FILE (mode 600) instead of stdout."
+            None, "--file", help="Write the key to FILE (mode 600); `-`: stdout (the default)."
         ),
         env_file: Path = typer.Option(
             None,
@@ -46,11 +46,13 @@ def register(app: typer.Typer) -> None:
             "`curl -H @FILE`.",
         ),
         home: Path = HomeOpt,
+        registry: str = RegistryOpt,
     ) -> None:
         from areal_cli import apikeys, console
         from areal_cli.schedulers.api import parse_name
 
         experiment, trial = parse_name(name)
+        outputs = _outputs(file=file, env_file=env_file, header_file=header_file)
         path = apikeys.key_file(settings.home(home), experiment, trial)
         held = apikeys.load(path)
         if held is None:
@@ -60,30 +62,61 @@ def register(app: typer.Typer) -> None:
                 "at all (see `areal ps`); a key passed as --api-key KEY is the one you gave",
             )
         secret = held[1]
-        files = {
-            file: secret + "\n",
-            env_file: f"AREAL_API_KEY={secret}\nOPENAI_API_KEY={secret}\n",
-            header_file: f"Authorization: Bearer {secret}\n",
+        texts = {
+            "file": secret + "\n",
+            "env_file": f"AREAL_API_KEY={secret}\nOPENAI_API_KEY={secret}\n",
+            "header_file": f"Authorization: Bearer {secret}\n",
         }
-        files.pop(None, None)
-        if not files:
+        if not outputs:
             typer.echo(secret)
             return
-        for path, text in files.items():
+        for opt, path in outputs.items():
+            text = texts[opt]
+            if path is None:
+                typer.echo(text, nl=False)
+                continue
             _write_private(path, text)
             console.err.print(f"[green]wrote[/] the key of {experiment}/{trial} to {path}")
 
 
+def _outputs(**given: Path | None) -> dict[str, Path | None]:
+    """Each output asked for: its file, or None for `-` (stdout). Two outputs naming one
+    place are refused (one would silently overwrite the other), and so is a place that is
+    not a regular file (files.check_replaceable), before anything is written."""
+    from areal_cli import files
+
+    out: dict[str, Path | None] = {}
+    seen: dict[str, str] = {}
+    for opt, value in given.items():
+        if value is None:
+            continue
+        flag = "--" + opt.replace("_", "-")
+        raw = str(value)
+        if not raw.strip():
+            raise UsageError(f"{flag} '': an empty path names no file", hint="`-` prints it")
+        path = None if raw == "-" else Path(os.path.abspath(Path(raw).expanduser()))
+        where = "stdout" if path is None else str(path)
+        if where in seen:
+            raise UsageError(
+                f"{seen[where]} and {flag} both name {where}: one would overwrite the other",
+                hint="give each output a file of its own",
+            )
+        seen[where] = flag
+        if path is not None:
+            files.check_replaceable(path)
+        out[opt] = path
+    return out
+
+
 def _write_private(path: Path, text: str) -> None:
     """Readable by this user only from its first byte: made 600 in a temporary file beside
-    it, then renamed over it (never through a symlink someone left there)."""
-    path = path.expanduser()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    it, then renamed over it. Only a regular file (or nothing) is replaced, never a symlink,
+    a device, a FIFO or a folder (files.write_atomic)."""
+    from areal_cli import files
+
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        files.write_atomic(path, text, mode=0o600)
+    except files.UnsafePath:
+        raise
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise UsageError(f"cannot write {path}: {e.strerror or e}") from None

@@ -39,10 +39,21 @@ def _ps_table(jobs_: list[dict]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    t = Table()
-    t.add_column("job", no_wrap=True)
-    for col in ("kind", "state", "age", "where", "servers", "GPUs"):
-        t.add_column(col, no_wrap=col in ("kind", "state", "servers"))
+    # Readable at 80 columns and in a pipe (rich lays out 80 wide there): no borders, the age
+    # under the state, sentences (why a job ended, a stall) under the table, and nothing cut
+    # with "…". Short cells keep their width; only `where` (pids, nodes) wraps, at spaces;
+    # a model path sits under its job, the column as wide as the longest of both (at most 40:
+    # a longer path folds).
+    t = Table(box=None, header_style="bold", pad_edge=False)
+    job_w = max(max(len(j["name"]), len(j.get("model") or "")) for j in jobs_)
+    t.add_column("job", overflow="fold", width=min(40, job_w))
+    t.add_column("kind", no_wrap=True)
+    t.add_column("state", no_wrap=True)
+    pid_w = max((len(f"pids {p}") for j in jobs_ for p in j.get("pids") or ()), default=4)
+    t.add_column("where", overflow="fold", min_width=pid_w)  # a pid is never cut in two
+    t.add_column("servers", no_wrap=True)
+    t.add_column("GPUs", overflow="fold")
+    notes = []
     for j in jobs_:
         servers = "\n".join(
             (
@@ -52,19 +63,21 @@ def _ps_table(jobs_: list[dict]) -> None:
                 f"{s['addr']}"
             )
             + (" [yellow]paused[/]" if s.get("paused") else "")
+            + _errors_mark(s.get("errors"))
             for s in j["servers"]
         )
         gpus_ = ",".join(str(g) for s in j["servers"] for g in s.get("gpus", [])) or "cpu"
         state_color = {"running": "green", "failed": "red", "dead": "red"}.get(j["state"], "yellow")
-        state = f"[{state_color}]{j['state']}[/]"
+        state = f"[{state_color}]{j['state']}[/]\n[dim]{_age(j['started'])}[/]"
         if j.get("world_size"):
             state += f"\nranks {j.get('ranks_alive') or 0}/{j['world_size']}"
         if j.get("reason"):
-            state += f"\n[dim]{escape(j['reason'])}[/]"
+            notes.append(f"[bold]{j['name']}[/] [dim]{escape(j['reason'])}[/]")
         if j.get("watchdog"):  # the last stall: its verdict (the bundle is in `areal logs`)
             w = j["watchdog"]
             odd = f" ranks {','.join(map(str, w['odd_ranks']))}" if w.get("odd_ranks") else ""
-            state += f"\n[red]stalled: {escape(str(w.get('kind')))}{odd}[/]"
+            state += "\n[red]stalled[/]"
+            notes.append(f"[bold]{j['name']}[/] [red]stalled: {escape(str(w.get('kind')))}{odd}[/]")
         if not j["job_id"]:  # processes of this host, no cluster job
             where = "pids " + " ".join(map(str, j["pids"]))
         else:
@@ -72,8 +85,26 @@ def _ps_table(jobs_: list[dict]) -> None:
                 f"\n{','.join(j['nodes'])}" if j["nodes"] else ""
             )
         name = j["name"] + (f"\n[dim]{escape(j['model'])}[/]" if j.get("model") else "")
-        t.add_row(name, j["kind"], state, _age(j["started"]), where, servers or "-", gpus_)
+        t.add_row(name, j["kind"], state, where, servers or "-", gpus_)
     console.out.print(t)
+    for note in notes:
+        console.out.print(note)
+
+
+def _errors_mark(errors: dict | None) -> str:
+    """A server's errors of the last minute, and on a line of its own the last one's text,
+    cut short (`--json` has it whole)."""
+    from rich.markup import escape
+
+    from areal_cli import request_errors
+
+    mark = request_errors.marker(errors)
+    if not mark:
+        return ""
+    last = (errors or {}).get("last") or {}
+    text = f"{last.get('status', '')} {last.get('message', '')}".strip()
+    short = text if len(text) <= 40 else text[:39] + "…"
+    return f" [red]{mark}[/]" + (f"\n  [dim]{escape(short)}[/]" if short else "")
 
 
 def _age(started: float) -> str:

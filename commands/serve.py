@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from areal_cli import console
 from areal_cli.errors import UsageError
 
 from ._common import (
@@ -142,12 +143,15 @@ def register(app: typer.Typer) -> None:
         model = pick(model, cfg, "model", None)
         if not model:
             raise UsageError("--model is required", hint="areal serve --model /path/to/model")
-        ref = models.parse(str(model))
+        # A dry run plans without the model: on a cluster it may exist on the nodes only.
+        ref = models.parse(str(model), missing_ok=dry_run)
+        notes = [] if ref.found else [f"model {ref.name} not found on this host"]
+        shape, rewritten = jobspec.serve_shape(
+            {"alloc": alloc, "backend": backend, "dp": dp, "tp": tp}, cfg
+        )
+        notes += rewritten
         allocation, backend, dp, tp, pp = jobspec.serve_allocation(
-            pick(alloc, cfg, "alloc", None),
-            pick(backend, cfg, "backend", None),
-            pick(dp, cfg, "dp", None),
-            pick(tp, cfg, "tp", None),
+            shape.get("alloc"), shape.get("backend"), shape.get("dp"), shape.get("tp")
         )
         gpus_flag = pick(gpus, cfg, "gpus", None)
         role = ServerRole(
@@ -181,9 +185,12 @@ def register(app: typer.Typer) -> None:
             scheduler_opts=where,
         )
         request = sched.dryrun(spec, check_packages=not dry_run)
+        request.plan.notes[:0] = notes
         if dry_run:
             show_plan(request, json_out)
             return
+        for note in rewritten:
+            console.err.print(f"[yellow]note[/] {note}")
         if detach:
             run_detached(sched, request, json_out)
         else:

@@ -27,6 +27,7 @@ from ._common import (
     load_config,
     pick,
     python_default,
+    run_detached,
     run_foreground,
     scheduler_for,
     scheduler_opts,
@@ -60,7 +61,8 @@ Examples:
   areal train --alloc fsdp:d2 templates/grpo/train.py --config my_grpo.yaml
   areal train --alloc hf:d1+fsdp:d2 --model ./tiny templates/grpo/train.py
   areal train -a fsdp:d8 --servers 10.0.0.5:30000 --debug-preset nccl train.py
-  areal train -a fsdp:d4 --areal-overrides -- -m areal.examples.gsm8k_grpo
+  areal train -a fsdp:d2 --areal-overrides --python $PY rl.py --config c.yaml
+  areal train -a fsdp:d2 --servers none --detach templates/examples/hang.py
 """
 
 
@@ -118,7 +120,9 @@ def register(app: typer.Typer) -> None:
         areal_overrides: bool = typer.Option(
             None,
             "--areal-overrides/--no-areal-overrides",
-            help="Append AReaL key=value overrides (allocation_mode, experiment/trial, name_resolve) to the script args.",
+            help="Run AReaL's own trainer: append the overrides its version in --python "
+            "understands (rollout/actor backend, experiment/trial, name_resolve) to the "
+            "script args, and set AREAL_SPMD_MODE=1.",
         ),
         health_timeout: float = typer.Option(
             None, "--health-timeout", min=0.1, help="For co-launched servers (default 600)."
@@ -145,6 +149,13 @@ def register(app: typer.Typer) -> None:
         ),
         registry: str = RegistryOpt,
         home: Path = HomeOpt,
+        detach: bool = typer.Option(
+            False,
+            "--detach",
+            "-d",
+            help="Return once the job runs; `areal logs E/T -f` follows it, `areal stop E/T` "
+            "ends it.",
+        ),
         dry_run: bool = typer.Option(
             False, "--dry-run", help="Print the torchrun command, env and GPUs; start nothing."
         ),
@@ -196,6 +207,10 @@ def register(app: typer.Typer) -> None:
             found = jobspec.checked_keys(
                 found, trainer.areal_overrides, jobspec.explicit_key(key_flag)
             )
+        if trainer.areal_overrides:
+            trainer = jobspec.areal_trainer(
+                trainer, server_role, found, dry_run, sched.opened_registry(), (experiment, trial)
+            )
         spec = JobSpec(
             watchdog=seconds("--watchdog", pick(watchdog, cfg, "watchdog", DEFAULT_SECONDS)),
             watchdog_action=jobspec.watchdog_action(
@@ -221,7 +236,10 @@ def register(app: typer.Typer) -> None:
         if dry_run:
             show_plan(request, json_out)
             return
-        run_foreground(sched, request)
+        if detach:
+            run_detached(sched, request, json_out)
+        else:
+            run_foreground(sched, request)
 
 
 def _servers(sched, servers: str, key_flag, experiment, trial, need, wait, home, dry_run):
@@ -244,8 +262,11 @@ def _servers(sched, servers: str, key_flag, experiment, trial, need, wait, home,
                 sched.opened_registry(), home, experiment, trial, need, wait, progress, dry_run
             )
     if servers != "none":
+        engine = found.backend
+        if not found.backend_known:
+            engine = f"(engine unknown; {found.backend} protocol assumed)"
         console.err.print(
-            f"[green]servers[/] {len(found.addrs)} {found.backend}: "
+            f"[green]servers[/] {len(found.addrs)} {engine}: "
             f"{', '.join(found.addrs) or '(none yet)'}"
         )
         for addr, why in found.skipped:

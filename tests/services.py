@@ -137,6 +137,12 @@ def engines_missing() -> str | None:
     return "; ".join(reasons) or None
 
 
+def areal_missing() -> str | None:
+    from tests.areal.areal_venv import missing
+
+    return missing()
+
+
 SERVICES = {
     # marker: (fixtures that imply it, why-missing check, variable that turns a skip into a failure)
     "slurm": (
@@ -147,6 +153,7 @@ SERVICES = {
     "etcd": ({"etcd_server", "etcd", "etcd_factory"}, etcd_missing, "AREAL_REQUIRE_ETCD"),
     "ray": ({"ray_cluster", "ray_env"}, lambda: ray_missing(), "AREAL_REQUIRE_RAY"),
     "engines": (set(), engines_missing, "AREAL_REQUIRE_ENGINES"),
+    "areal": (set(), areal_missing, "AREAL_REQUIRE_AREAL"),
 }
 
 

@@ -6,7 +6,9 @@ flags, see commands/doctor_hang.py) starts without importing typer.
 
 from __future__ import annotations
 
+import copy
 import importlib
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from functools import partial
@@ -102,9 +104,56 @@ def _group(name: str, app: typer.Typer):
 def _command(info):
     if info.cls in (None, TyperCommand):
         info.cls = ArealCommand
-    return typer.main.get_command_from_info(
+    command = typer.main.get_command_from_info(
         info, pretty_exceptions_short=True, rich_markup_mode=None
     )
+    for param in command.params:
+        _guard(param)
+    return command
+
+
+class _Finite:
+    """A float option's type that also refuses nan and inf: both pass a range check (every
+    comparison with nan is false), and a nan duration or timeout never ends."""
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if isinstance(rv, float) and not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return rv
+
+
+class _NotEmpty:
+    """A path option's type that refuses the empty string, which pathlib reads as the
+    current folder: `-o ''` would write there, `--home ''` read records from there."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value.strip():
+            self.fail("an empty path names no file or folder.", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+_GUARDED: dict[type, type] = {}
+
+
+def _guard(param) -> None:
+    """Give every float and path parameter of every command the checks above."""
+    kind = type(param.type)
+    # By the type's name, as the help pages read it: typer's click types are its own copy.
+    name = str(getattr(param.type, "name", "")).split()[:1]
+    if isinstance(param.type, (_Finite, _NotEmpty)):
+        return
+    if name == ["float"]:
+        mixin = _Finite
+    elif name in (["path"], ["file"], ["directory"]):
+        mixin = _NotEmpty
+    else:
+        return
+    if kind not in _GUARDED:
+        _GUARDED[kind] = type(f"{mixin.__name__.strip('_')}{kind.__name__}", (mixin, kind), {})
+    guarded = copy.copy(param.type)  # typer's FLOAT is one object shared by every option
+    guarded.__class__ = _GUARDED[kind]
+    param.type = guarded
 
 
 app = typer.Typer(

@@ -39,7 +39,7 @@ def store(path: str | Path, marker: str, key: str) -> None:
     from areal_cli import files
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    files.private_dir(path.parent)
     files.write_atomic(path, json.dumps({"marker": marker, "key": key}), mode=0o600)
 
 

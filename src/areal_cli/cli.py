@@ -13,8 +13,9 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import warnings
 
-from areal_cli.errors import EXIT_INTERRUPTED, ArealError
+from areal_cli.errors import EXIT_INTERRUPTED, ArealError, ArealWarning
 
 # name: (module in areal_cli.commands, the one line `areal --help` shows). A test checks
 # each line against the first line of the command's own help.
@@ -131,7 +132,20 @@ def _leave(code) -> None:
     os._exit(code or 0)
 
 
+_python_show_warning = warnings.showwarning
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """The library's warnings (ArealWarning) as one yellow line; any other as Python shows it."""
+    if not issubclass(category, ArealWarning):
+        return _python_show_warning(message, category, filename, lineno, file, line)
+    from areal_cli import console
+
+    console.err.print(f"[yellow]warning:[/] {console._escape(str(message))}")
+
+
 def _main(argv: list[str] | None) -> None:
+    warnings.showwarning = _show_warning
     args = argv if argv is not None else sys.argv[1:]
     debug = "--debug" in args
     try:

@@ -134,6 +134,24 @@ def keys_refused(
     return {a: status for a, status in got.items() if status is not None}
 
 
+def identify(addr: str, key: str | None = None, timeout: float = 5.0) -> str | None:
+    """Which engine answers at `addr`, asked over HTTP: the hf server names itself in
+    /server_info, SGLang answers it with its launch arguments (vLLM's dev mode with its
+    config), vLLM lists its models as owned by "vllm"; None when it cannot tell."""
+    got = _call(addr, "GET", _sglang.SERVER_INFO_PATHS[0], key, timeout)
+    if got is not None and got[0] == 200 and isinstance(got[1], dict):
+        if got[1].get("backend") == "hf":
+            return "hf"
+        # vLLM serves /server_info too in its dev mode: {"vllm_config": ...}.
+        return "vllm" if "vllm_config" in got[1] else "sglang"
+    got = _call(addr, "GET", _vllm.MODELS_PATH, key, timeout)
+    if got is not None and got[0] == 200:
+        owners = {m.get("owned_by") for m in _vllm.parse_models(got[1]) if isinstance(m, dict)}
+        if owners == {"vllm"}:
+            return "vllm"
+    return None
+
+
 def backend_of(argv: list[str]) -> str | None:
     """Which backend a server's command line runs (a job record keeps only the argv)."""
     if "sglang.launch_server" in argv:

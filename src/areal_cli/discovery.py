@@ -38,6 +38,8 @@ class Found:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     # Servers found paused with no trainer of the trial alive, and resumed.
     resumed: list[str] = field(default_factory=list)
+    # False: `backend` is assumed (no server of --servers said which engine it runs).
+    backend_known: bool = True
 
 
 def healthy(
@@ -87,7 +89,29 @@ def explicit(addrs: list[str], backend: str | None, api_key: str | None) -> Foun
             f"--servers: {', '.join(dead)} not reachable (no healthy answer on /health)",
             hint="check the address and that the server runs (areal ps), or use --servers auto",
         )
-    return Found(addrs, backend or "sglang", api_key, [])
+    if backend is None:
+        backend = _identified(addrs, api_key)
+    return Found(addrs, backend or "sglang", api_key, [], backend_known=backend is not None)
+
+
+def _identified(addrs: list[str], api_key: str | None) -> str | None:
+    """The one engine every address says it is (None: none could tell); servers of
+    different engines in one list are a usage error, as the workers speak one protocol."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from areal_cli import control
+
+    with ThreadPoolExecutor(max_workers=min(MAX_PROBES, len(addrs))) as ex:
+        said = dict(zip(addrs, ex.map(lambda a: control.identify(a, api_key), addrs), strict=True))
+    kinds = set(said.values()) - {None}
+    if len(kinds) > 1:
+        raise UsageError(
+            "--servers: "
+            + ", ".join(f"{a} is {b or 'unknown'}" for a, b in said.items())
+            + ": one job's servers run one engine",
+            hint="give the servers of one engine",
+        )
+    return kinds.pop() if kinds else None
 
 
 def from_registry(

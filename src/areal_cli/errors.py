@@ -27,6 +27,10 @@ class ArealError(Exception):
         self.detail = detail
 
 
+class ArealWarning(UserWarning):
+    """Something the user should know that stops nothing: the CLI shows it as one line."""
+
+
 class UsageError(ArealError):
     """Bad flags, config, allocation, paths: exit 2."""
 

@@ -171,6 +171,32 @@ def checked_keys(found, areal: bool, given: str | None):
     )
 
 
+def areal_trainer(trainer: TrainerRole, servers: ServerRole | None, found, dry_run: bool,
+                  registry=None, name: tuple[str, str] | None = None):  # fmt: skip
+    """`trainer` with the AReaL version of its interpreter, once what stands in the way of
+    AReaL's trainer against these servers is refused (areal_entry). A dry run plans without
+    AReaL installed (the current release's overrides). Before a run, what an earlier AReaL
+    trainer left under the trial `name` in `registry` goes, as AReaL's own launcher clears
+    it: a stale `update_weights_from_disk/<n>` would send the servers to load weights not
+    yet written."""
+    from areal_cli import areal_entry
+
+    try:
+        target = areal_entry.probe(trainer.python, list(trainer.script_args))
+    except UsageError:
+        if dry_run:
+            return trainer
+        raise
+    backend = servers.backend if servers else (found.backend if found else "sglang")
+    if not dry_run:
+        areal_entry.check_metadata(target, backend)
+        served = {e.addr: e.engine_version for e in (found.entries if found else [])}
+        areal_entry.check_pairing(target, backend, served)
+        if registry is not None and name is not None:
+            registry.clear_foreign(*name)
+    return replace(trainer, areal_version=target.version)
+
+
 def explicit_key(flag: str | None) -> str | None:
     """The key for servers given with --servers: the flag's KEY, else AREAL_API_KEY."""
     if flag and flag not in ("auto", "none"):
@@ -221,6 +247,56 @@ def serve_allocation(text: str | None, backend: str | None, dp, tp):
     if backend and backend != comp.backend:
         raise UsageError(f"--backend {backend} disagrees with --alloc {text}")
     return a, comp.backend, comp.d, comp.t, comp.p
+
+
+def serve_shape(flags: dict, config: dict) -> tuple[dict, list[str]]:
+    """alloc, backend, dp and tp from the flags and the job YAML, and a note for each YAML
+    value a flag rewrote.
+
+    The four determine one another, so a flag wins together with what it determines: --alloc
+    replaces the YAML's backend/dp/tp, and --backend, --dp or --tp rewrite that part of the
+    YAML's alloc (`--backend hf` over `alloc: sglang:d4t1` plans hf:d4t1). Flags among
+    themselves are still checked against each other (serve_allocation)."""
+    keys = ("alloc", "backend", "dp", "tp")
+    given = {k: flags.get(k) for k in keys if flags.get(k) is not None}
+    from_yaml = {k: config[k] for k in keys if config.get(k) is not None and k not in given}
+    notes = []
+    if "alloc" in given:
+        # What the flag's alloc says (serve_allocation judges it; no YAML key, no question).
+        yaml_keys = [k for k in ("backend", "dp", "tp") if k in from_yaml]
+        try:
+            comp = _one_inference(str(given["alloc"])) if yaml_keys else None
+        except UsageError:
+            comp = None
+        said = {"backend": comp.backend, "dp": comp.d, "tp": comp.t} if comp else {}
+        dropped = [k for k in yaml_keys if from_yaml[k] != said.get(k)]
+        if dropped:
+            notes.append(
+                f"--alloc {given['alloc']} replaces the job YAML's "
+                + ", ".join(f"{k}: {from_yaml[k]}" for k in dropped)
+            )
+        return {**given}, notes
+    if "alloc" in from_yaml and given:
+        before = str(from_yaml["alloc"])
+        comp = _one_inference(before)
+        after = (
+            f"{given.get('backend', comp.backend)}:d{given.get('dp', comp.d)}"
+            f"t{given.get('tp', comp.t)}" + (f"p{comp.p}" if comp.p > 1 else "")
+        )
+        if after != before:
+            flags_text = " ".join(f"--{k} {v}" for k, v in given.items())
+            notes.append(f"{flags_text} rewrote the job YAML's alloc {before} as {after}")
+        return {"alloc": after}, notes
+    return {**from_yaml, **given}, notes
+
+
+def _one_inference(text: str):
+    a = parse(text)
+    if a.train is not None or len(a.inference) != 1:
+        raise UsageError(
+            f"alloc {text} is not one inference component", hint="e.g. alloc: sglang:d2t2"
+        )
+    return a.inference[0]
 
 
 def default_backend(gpus_flag: str | None) -> str:

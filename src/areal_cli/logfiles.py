@@ -236,10 +236,8 @@ def follow_in_background(
 def fresh_log(path: str | Path) -> int:
     """Open a run's log as a new file (a new inode, never the previous run's truncated), so
     followers tell the new run's lines from the old ones. Readable by its user only: servers
-    log their arguments (SGLang its API key), trainers their prompts. Returns an fd for
-    appending."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    log their arguments (SGLang its API key), trainers their prompts. Never through a symlink,
+    only in a folder no other user can write (files.fresh). Returns an fd for appending."""
+    from areal_cli import files
+
+    return files.fresh(path)

@@ -29,13 +29,17 @@ class ModelRef:
     name: str  # an absolute local directory, or the hub id as given (without @revision)
     revision: str | None = None
     local: bool = True
+    # False: a local path that does not exist on this host (a dry run plans with it: on a
+    # cluster the path may exist only on the compute nodes).
+    found: bool = True
 
     def __str__(self) -> str:
         return self.name + (f"@{self.revision}" if self.revision else "")
 
 
-def parse(text: str, cwd: Path | None = None) -> ModelRef:
-    """A local directory (made absolute) or a hub id; a usage error for a missing local path."""
+def parse(text: str, cwd: Path | None = None, missing_ok: bool = False) -> ModelRef:
+    """A local directory (made absolute) or a hub id; a usage error for a missing local path,
+    or with `missing_ok` that path with found=False."""
     text = (text or "").strip()
     if not text:
         raise UsageError("--model is empty", hint=_MISSING_HINT)
@@ -50,7 +54,7 @@ def parse(text: str, cwd: Path | None = None) -> ModelRef:
         return ModelRef(str(full.resolve()))
     explicit = text.startswith(("/", "./", "../", "~")) or text in (".", "..")
     if explicit:
-        raise UsageError(f"model path {full} does not exist", hint=_MISSING_HINT)
+        return _missing(full, missing_ok)
     name, _, revision = text.partition("@")
     if "@" in text and not (revision and _REVISION.match(revision)):
         raise UsageError(f"--model {text!r}: bad revision after '@'", hint="e.g. org/name@main")
@@ -61,10 +65,18 @@ def parse(text: str, cwd: Path | None = None) -> ModelRef:
     # "runs/ckpt" with ./runs present but no ckpt in it is a typo of a local path, not a hub id.
     parent = (base / name).parent
     if parent != base and parent.is_dir():
-        raise UsageError(f"model path {base / name} does not exist", hint=_MISSING_HINT)
+        return _missing(base / name, missing_ok)
     if "/" not in name and os.path.isdir(base):
+        if missing_ok:
+            return _missing(base / name, missing_ok)
         raise UsageError(
             f"model path {base / name} does not exist",
             hint=_MISSING_HINT + "; a hub id has the form org/name",
         )
     return ModelRef(name, revision or None, local=False)
+
+
+def _missing(path: Path, missing_ok: bool) -> ModelRef:
+    if not missing_ok:
+        raise UsageError(f"model path {path} does not exist", hint=_MISSING_HINT)
+    return ModelRef(str(path), found=False)

@@ -27,14 +27,36 @@ def hostname() -> str:
 
 
 def home(override: str | Path | None = None) -> Path:
-    """AREAL_HOME: job records and logs."""
-    if override:
-        return Path(override).expanduser().resolve()
+    """AREAL_HOME: job records and logs. A home given (`--home`, AREAL_HOME) that is empty
+    or is not a folder is a UsageError: read as no home, it would answer "no jobs running"
+    about jobs that run."""
+    if override is not None:
+        return _checked_home(str(override), "--home")
     env = os.environ.get("AREAL_HOME")
     if env:
-        return Path(env).expanduser().resolve()
+        return _checked_home(env, "AREAL_HOME")
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "areal"
+
+
+def _checked_home(raw: str, source: str) -> Path:
+    from areal_cli.errors import UsageError
+
+    if not raw.strip():
+        raise UsageError(f"{source} is empty", hint="name the folder of your job records")
+    path = Path(raw).expanduser().resolve()
+    # The nearest part that exists must be a folder: a new home is made under it later.
+    # (os.path's checks: a part this user may not look into is no error of this check.)
+    for part in (path, *path.parents):
+        if os.path.exists(part):
+            if not os.path.isdir(part):
+                what = "is" if part == path else f"lies under {part}, which is"
+                raise UsageError(
+                    f"{source} {raw} {what} not a folder",
+                    hint="name the folder of your job records (AREAL_HOME)",
+                )
+            break
+    return path
 
 
 def registry_url(override: str | Path | None = None) -> str:
@@ -45,6 +67,12 @@ def registry_url(override: str | Path | None = None) -> str:
         return raw
     raw = raw.removeprefix("file://")
     return str(Path(raw).expanduser().resolve())
+
+
+def use_registry(value: str) -> None:
+    """`--registry VALUE`: the registry of this process and of what it starts, as if
+    AREAL_REGISTRY=VALUE had been exported."""
+    os.environ["AREAL_REGISTRY"] = str(value)
 
 
 def port_base(default: int) -> int:
@@ -80,12 +108,15 @@ def log_dir(home_dir: Path, experiment: str, trial: str) -> Path:
 
 
 def ensure_dir(path: Path | str, what: str = "--home (or AREAL_HOME)") -> Path:
-    """mkdir -p, with a usage error naming the flag to change when it cannot be made."""
+    """mkdir -p of a folder only this user can write (files.private_dir: 0700 whatever the
+    umask, refused when another user could write or swap it), with a usage error naming the
+    flag to change when it cannot be made."""
+    from areal_cli import files
     from areal_cli.errors import UsageError
 
     path = Path(path)
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        files.private_dir(path)
     except OSError as e:
         raise UsageError(
             f"cannot create {path}: {e.strerror or e}", hint=f"pick a writable {what}"

@@ -54,6 +54,8 @@ class TrainerRole:
     env: tuple[tuple[str, str], ...] = ()  # extra environment for the workers
     # Append AReaL config overrides that point an AReaL entry point at our servers.
     areal_overrides: bool = False
+    # AReaL's version in `python` (areal_entry.probe): which overrides it understands.
+    areal_version: str = ""
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,8 @@ class Plan:
     registry_ttl: float = 30.0  # seconds a registered server outlives its last renewal
     watchdog: float = 0.0  # seconds without progress of any rank that make a stall (0: off)
     watchdog_action: str = "observe"  # observe | fail
+    # What a reader of the plan should know that its processes do not show (--dry-run).
+    notes: list[str] = field(default_factory=list)
 
     @property
     def servers(self) -> list[ProcessPlan]:

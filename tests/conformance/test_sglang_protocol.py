@@ -10,6 +10,9 @@ passes.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -17,7 +20,10 @@ from pathlib import Path
 import pytest
 
 from areal_cli.modelgen import create_tiny_model
+from tests.conformance import areal_requests
 from tests.integration.helpers_server import HfServer
+
+AREAL_SENDER = Path(areal_requests.__file__)
 
 PROMPT = [72, 101, 108, 108, 111]
 GREEDY = {"max_new_tokens": 4, "temperature": 0}
@@ -200,6 +206,65 @@ def test_unknown_top_level_keys_are_ignored(server):
     assert gen(server, GREEDY, not_a_field=1)[0] == 200
 
 
+@pytest.mark.engines
+def test_these_are_areals_own_requests():
+    # The payloads of areal_requests.py, against what AReaL 1.0.4's SGLangBackend builds in
+    # AReaL's own venv (`make engines` builds it).
+    from tests.engines.engines import missing, python_of
+
+    why = missing("areal")
+    if why:
+        pytest.skip(why)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import areal_requests; "
+            "areal_requests.same_as_areal()")  # fmt: skip
+    res = subprocess.run([str(python_of("areal")), "-c", code, str(AREAL_SENDER.parent)],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_areal_generate_request_is_answered(server):
+    # AReaL 1.0.4's /generate (areal/engine/sglang_remote.py:56-75): "image_data": [] on
+    # every request, its sampling defaults (top_k 1e8, frequency_penalty 0.0, an empty
+    # stop_token_ids), return_logprob. AReaL reads output_token_logprobs [[lp, id, _]...]
+    # and finish_reason.type (:87-123).
+    status, body = server.post("/generate", areal_requests.generate(PROMPT, 4))
+    assert status == 200, body
+    meta = body["meta_info"]
+    assert [e[1] for e in meta["output_token_logprobs"]] == body["output_ids"]
+    assert len(body["output_ids"]) == 4 and meta["finish_reason"]["type"] == "length"
+
+
+@pytest.mark.parametrize(
+    "media",
+    [
+        {"image_data": []},
+        {"image_data": [None]},
+        {"image_data": None},
+        {"video_data": []},
+        {"audio_data": [None]},
+        {"image_data": [], "video_data": [], "audio_data": []},
+    ],
+)
+def test_empty_media_fields_mean_none(server, media):
+    # srt/managers/io_struct.py:398-403 (contains_mm_input) -> has_valid_data
+    # (srt/multimodal/mm_utils.py:53-58): null, [] and [null] hold no item, and the request
+    # is served as text only; the same rule in 0.5.10.post1 (mm_utils.py:56-61, io_struct.py
+    # :248-253). Greedy, so the answer is the text-only one.
+    plain = gen(server)
+    assert plain[0] == 200
+    status, body = gen(server, **media)
+    assert status == 200, body
+    assert body["output_ids"] == plain[1]["output_ids"]
+
+
+def test_a_media_field_of_the_wrong_json_type_is_a_contract_error(server):
+    # api/v1/api_types.py:2034-2043 (MediaInput: a string, a map or lists of them).
+    assert gen(server, image_data=5) == (
+        400,
+        {"error": "invalid type: integer `5`, expected one of the MediaInput shapes"},
+    )
+
+
 def test_batch_replies_one_object_per_prompt(server):
     # srt/managers/io_struct.py:505-530: a list of lists of ids is a batch.
     status, body = server.post(
@@ -375,11 +440,18 @@ def test_weight_update_session_rules(server):
     # 1458-1504 ({success, message}, 200 or 400).
     upd = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]],
            "group_name": "g"}  # fmt: skip
-    assert server.post("/update_weights_from_distributed", upd) == (400, {
-        "success": False,
-        "message": "update_weights_from_distributed must run between begin_weight_update() "
-        "and end_weight_update()",
-    })  # fmt: skip
+    status, res = server.post("/update_weights_from_distributed", upd)
+    if isinstance(server, HfServer):
+        # The hf server also speaks 0.5.10.post1, which has no session (srt/managers/
+        # scheduler_update_weights_mixin.py:73-85 there): outside one, an update is a
+        # session of its own and gets as far as the group (test_areal_xccl_sync...).
+        assert status == 400 and res["message"].startswith("Failed to receive weights: Group g")
+    else:
+        assert (status, res) == (400, {
+            "success": False,
+            "message": "update_weights_from_distributed must run between "
+            "begin_weight_update() and end_weight_update()",
+        })  # fmt: skip
     assert server.post("/end_weight_update", {}) == (400, {
         "success": False,
         "message": "no weight-update session is open; call begin_weight_update() first",
@@ -395,12 +467,80 @@ def test_weight_update_session_rules(server):
     assert server.post("/end_weight_update", {}) == (200, {"success": True, "message": "Success"})
 
 
+def test_areal_xccl_sync_without_a_session_installs_each_bucket(server, models):
+    # 0.5.10.post1 behaviour only (the SGLang AReaL 1.0.4 pins): an update loads at once,
+    # with no begin/end session (srt/managers/scheduler_update_weights_mixin.py:73-85 at
+    # tag v0.5.10.post1). 0.5.23 refuses it (srt/managers/scheduler_components/
+    # weight_updater.py:187-197; test_weight_update_session_rules), so the real engine of
+    # this tier is not asked. AReaL's rank 0 (areal/engine/fsdp_engine.py:1266-1320,
+    # 1380-1466) pauses, sends each bucket as a request of its own while it broadcasts the
+    # bucket's tensors, then continues; the served weights become the sent ones.
+    if not isinstance(server, HfServer):
+        pytest.skip("0.5.10.post1 protocol: SGLang 0.5.23 requires a begin/end session")
+    # What the other weights answer, loaded from disk; then the base weights back.
+    areal_gen = areal_requests.generate(PROMPT, 6)
+    assert server.post("/update_weights_from_disk", {"model_path": str(models["other"])})[0] == 200
+    want = server.post("/generate", areal_gen)[1]["output_ids"]
+    assert server.post("/update_weights_from_disk", {"model_path": str(models["base"])})[0] == 200
+    before = server.post("/generate", areal_gen)[1]["output_ids"]
+    assert before != want  # else the test proves nothing
+    updates = server.get("/server_info")[1]["weight_updates"]
+    res = subprocess.run([sys.executable, str(AREAL_SENDER), server.url, str(models["other"]),
+                          "areal_xccl"], capture_output=True, text=True,
+                         timeout=180)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    replies = json.loads(res.stdout.strip().splitlines()[-1])
+    assert replies["init"][0] == 200 and replies["pause"][0] == 200
+    assert (
+        replies["buckets"]
+        == [[200, {"success": True, "message": "Succeeded to update parameter online."}]] * 2
+    )
+    assert replies["resume"][0] == 200 and replies["destroy"][0] == 200
+    after = server.post("/generate", areal_gen)[1]["output_ids"]
+    assert after == want
+    info = server.get("/server_info")[1]
+    assert info["weight_updates"] == updates + 2 and not info["weight_update"]["session_open"]
+    # The base weights back for the tests after this one.
+    assert server.post("/update_weights_from_disk", {"model_path": str(models["base"])})[0] == 200
+
+
+def test_areal_disk_update_request(server, models):
+    # areal/engine/sglang_remote.py:147-158: model_path and abort_all_requests, no version.
+    was = version(server)
+    status, res = server.post(
+        "/update_weights_from_disk", areal_requests.update_from_disk(models["base"])
+    )
+    assert (status, res["success"]) == (200, True) and version(server) == was
+
+
 def test_destroying_an_unknown_group(server):
     # srt/model_executor/model_runner_components/weight_updater.py:146-157
     assert server.post("/destroy_weights_update_group", {"group_name": "nope"}) == (
         400,
         {"success": False, "message": "The group to be destroyed does not exist."},
     )
+
+
+def test_init_group_takes_a_port_sent_as_a_string(server, models):
+    # AReaL 1.0.4 sends master_port as str(port) (areal/engine/sglang_remote.py:199-207).
+    # master_port: int (srt/managers/io_struct.py:2126-2138; 0.5.10.post1 :1377-1389) is
+    # validated by pydantic in lax mode (0.5.23: srt/utils/msgspec_utils.py:70-118), which
+    # turns "29500" into 29500: the group forms and the trainer's rendezvous completes.
+    res = subprocess.run([sys.executable, str(AREAL_SENDER), server.url, str(models["other"]),
+                          "areal_str_port", "init"], capture_output=True, text=True,
+                         timeout=180)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    replies = json.loads(res.stdout.strip().splitlines()[-1])
+    assert replies["init"] == [
+        200,
+        {"success": True, "message": "Succeeded to initialize custom process group."},
+    ]
+    assert replies["destroy"][0] == 200
+    # The same lax rules refuse what pydantic refuses: a port that is no integer.
+    bad = areal_requests.init_group(1, "never")
+    bad["master_port"] = "twelve"
+    status, body = server.post("/init_weights_update_group", bad)
+    assert status == 400 and body["object"] == "error" and "master_port" in body["message"]
 
 
 def test_init_group_needs_its_fields(server):

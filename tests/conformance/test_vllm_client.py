@@ -242,3 +242,18 @@ def test_the_first_batch_asks_each_server_once_what_it_serves():
         calls = s.calls()
         assert calls.count("/v1/models") == 1 and calls.count("/version") == 1, calls
     assert sum(s.calls().count("/v1/completions") for s in stands) == 64
+
+
+def test_a_vllm_server_given_by_address_is_known_as_vllm():
+    """`areal train --servers host:port` asks what answers there (control.identify)."""
+    from areal_cli import control
+
+    async def main():
+        srv = VllmStandIn()
+        (addr,) = await _started(srv)
+        try:
+            return await asyncio.to_thread(control.identify, addr)
+        finally:
+            await _stopped(srv)
+
+    assert run(main()) == "vllm"

@@ -103,7 +103,11 @@ class VllmStandIn:
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(
-            {"object": "list", "data": [{"id": "m", "object": "model", "root": "/models/m"}]}
+            # entrypoints/openai/engine/protocol.py ModelCard: owned_by defaults to "vllm".
+            {
+                "object": "list",
+                "data": [{"id": "m", "object": "model", "root": "/models/m", "owned_by": "vllm"}],
+            }
         )
 
     async def _completions(self, request: web.Request) -> web.Response:

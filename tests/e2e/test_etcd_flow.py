@@ -64,8 +64,8 @@ def test_serve_then_train_finds_the_servers_through_etcd(on_etcd, tiny):
         plan = json.loads(areal("train", "--alloc", "fsdp:d1", "--areal-overrides", "--dry-run",
                                 "--json", SCRIPT, check=0).stdout)  # fmt: skip
         argv = plan["processes"][0]["argv"]
-        assert "cluster.name_resolve.type=etcd3" in argv
-        assert any(a.startswith("cluster.name_resolve.etcd3_addr=127.0.0.1:") for a in argv)
+        assert "++cluster.name_resolve.type=etcd3" in argv
+        assert any(a.startswith("++cluster.name_resolve.etcd3_addr=127.0.0.1:") for a in argv)
     finally:
         areal("stop", "default/trial0", check=0)
     # Stop revoked the leases: nothing of the job is left in etcd.

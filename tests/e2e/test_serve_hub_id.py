@@ -96,6 +96,9 @@ def test_revision_and_hub_ids_reach_sglang_and_vllm_argv():
     ],
 )
 def test_clearly_missing_local_paths_exit_2(tmp_path, model, needle):
+    # A run, not a dry run: a dry run plans a path this host lacks (on a cluster it may exist
+    # only on the compute nodes) and says so in a note; a run refuses it before it starts.
     (tmp_path / "sub").mkdir()
-    res = areal("serve", "--backend", "hf", "--model", model, "--dry-run", cwd=tmp_path, check=2)
+    res = areal("serve", "--backend", "hf", "--model", model, "--api-key", "none",
+                cwd=tmp_path, check=2)  # fmt: skip
     assert needle in res.stderr and "Traceback" not in res.stderr

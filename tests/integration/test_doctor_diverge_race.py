@@ -8,10 +8,9 @@ chosen again further ahead, and the report comes back with the job still steppin
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
-from test_doctor_hang import launch, leftovers
+from test_doctor_hang import launch, stop_all
 from test_doctor_more import areal, home_of, reports
 
 from areal_cli.worker import channel
@@ -26,10 +25,7 @@ def fast(tmp_path_factory):
         s.wait_alive()
         yield s
     finally:
-        t = threading.Thread(target=s.stop)
-        t.start()
-        t.join()
-        assert not leftovers(), [p.pid for p in leftovers()]
+        stop_all([s])
 
 
 def test_a_rank_past_the_step_while_the_others_are_armed_is_caught_on_a_second_try(fast):

@@ -53,6 +53,9 @@ def test_doctor_check_reports_the_engines_of_the_servers_interpreters(tmp_path, 
         areal("serve", "--backend", "hf", "--model", str(tiny), "--python", str(py),
               "--experiment", "eng", "--trial", "t0", "--detach", env=env, check=0,
               timeout=120)  # fmt: skip
+        # areal makes every folder under AREAL_HOME private: loosen each level, as a
+        # user who chmods them would.
+        os.chmod(home / "logs", 0o755)
         os.chmod(home / "logs" / settings.user(), 0o755)
         try:
             rows = _rows(areal("doctor", "check", "--json", env=env, timeout=120))

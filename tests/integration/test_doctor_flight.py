@@ -11,12 +11,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from test_doctor_hang import doctor, launch, leftovers, verdict_of
+from test_doctor_hang import doctor, launch, stop_all, verdict_of
 
 from areal_cli import procs
 from areal_cli.diagnose import flight
@@ -36,12 +35,7 @@ def hung(tmp_path_factory):
             s.wait_alive()
         yield started
     finally:
-        stoppers = [threading.Thread(target=s.stop) for s in started.values()]
-        for t in stoppers:
-            t.start()
-        for t in stoppers:
-            t.join()
-        assert not leftovers(), [p.pid for p in leftovers()]
+        stop_all(started.values())
 
 
 def wait_for(s, expect: dict[int, tuple[str, int]], timeout: float = 90.0) -> dict:

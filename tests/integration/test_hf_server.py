@@ -91,6 +91,26 @@ def test_generate_shape_and_logprobs(server: HfServer):
     assert status == 400 and "vocabulary" in bad["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    "media",
+    [
+        {"image_data": ["data:image/png;base64,AAAA"]},
+        {"image_data": [[None, "/tmp/cat.png"]]},
+        {"video_data": "clip.mp4"},
+        {"audio_data": [{"url": "a.wav"}]},
+    ],
+)
+def test_a_real_media_item_is_refused_by_name(server: HfServer, media):
+    # A text-only reference server: an item anywhere in a media field is a clear 400 naming
+    # the field (empty fields mean none: tests/conformance test_empty_media_fields_mean_none).
+    status, body = server.post("/generate", {"input_ids": [1, 2], **media})
+    (field,) = media
+    assert (status, body) == (
+        400,
+        {"error": {"message": f"the hf server does not support {field}"}},
+    )
+
+
 def test_text_prompt_and_batch_input(server: HfServer):
     status, single = server.post("/generate", {"text": "Hello", "sampling_params": GREEDY})
     assert status == 200

@@ -239,6 +239,29 @@ def test_cluster_refuses_a_client_without_its_token(ray_cluster, areal_env, monk
     assert "not-the-token" not in res.stderr + res.stdout
 
 
+def test_a_token_file_that_is_not_there_is_exit_2_with_one_message(
+    ray_cluster, tiny, areal_env, monkeypatch, tmp_path
+):
+    """Ray's C++ client aborts the process on a missing RAY_AUTH_TOKEN_PATH (exit 1, not a
+    word): `train` and `ps` of a live Ray job say what is wrong instead."""
+    areal("serve", "--scheduler", "ray", "--backend", "hf", "--model", str(tiny),
+          "--python", FAKE_PYTHON, "--detach", check=0, timeout=180)  # fmt: skip
+    try:
+        script = tmp_path / "t.py"
+        script.write_text("")
+        wrong = {"RAY_AUTH_TOKEN_PATH": str(tmp_path / "wrong")}
+        for args in (("train", "--scheduler", "ray", "--alloc", "fsdp:d1", "--servers", "none",
+                      str(script)), ("ps",)):  # fmt: skip
+            res = areal(*args, env=wrong, check=2, timeout=60)
+            assert f"RAY_AUTH_TOKEN_PATH={tmp_path / 'wrong'}" in res.stderr, args
+            assert "does not exist" in res.stderr and "Traceback" not in res.stderr
+        # The job itself is untouched: with the right file, ps sees it running.
+        (job,) = [j for j in ps_json() if j["scheduler"] == "ray"]
+        assert job["state"] == "running"
+    finally:
+        areal("stop", "default/trial0", check=0, timeout=120)
+
+
 HANG = str(REPO / "tests" / "integration" / "slurm_hang.py")
 
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from areal_cli import apikeys, backends, logfiles, procs, settings
 from areal_cli.errors import LaunchError, UsageError
@@ -215,3 +216,44 @@ def test_a_scheduler_from_one_module_serves_lists_and_stops(tmp_path, areal_env)
     assert procs.find_marked(out["marker"]) == []
     (job,) = json.loads(areal("ps", "--all", "--json", env=PLUGIN, check=0).stdout)
     assert job["state"] == "stopped"
+
+
+@pytest.mark.parametrize("target", ["os:system", "json:JSONDecodeError", "os:sep"])
+def test_an_entry_that_is_not_a_scheduler_class_is_refused_naming_it(target, areal_env):
+    # A function, a class of another kind, a plain value: each a clear exit 2, never the
+    # TypeError of calling it with the scheduler's options.
+    entry = f"mine={target}"
+    env = {**PLUGIN, "AREAL_SCHEDULERS": entry}
+    for args in (("stop", "e/t"), ("serve", "--scheduler", "mine", "--backend", "hf",
+                                    "--model", "m", "--dry-run")):  # fmt: skip
+        res = areal(*args, env=env, check=2)
+        assert "Traceback" not in res.stderr
+        assert f"AREAL_SCHEDULERS entry '{entry}'" in res.stderr
+        assert "is not a scheduler class" in res.stderr
+
+
+def test_an_entry_whose_module_fails_to_import_is_refused_naming_it(tmp_path, areal_env):
+    (tmp_path / "broken_sched.py").write_text("raise RuntimeError('no cluster here')\n")
+    env = {"AREAL_SCHEDULERS": "b=broken_sched:X", "PYTHONPATH": str(tmp_path)}
+    res = areal("stop", "e/t", env=env, check=2)
+    assert "Traceback" not in res.stderr
+    assert "AREAL_SCHEDULERS entry 'b=broken_sched:X'" in res.stderr
+    assert "RuntimeError: no cluster here" in res.stderr
+
+
+def test_replacing_a_built_in_scheduler_says_so_in_one_line(areal_env):
+    home = areal_env[0]
+    (home / "jobs").mkdir(parents=True)  # so that `ps` loads the local scheduler
+    toy = PLUGIN["AREAL_SCHEDULERS"].partition("=")[2]
+    res = areal("ps", env={**PLUGIN, "AREAL_SCHEDULERS": f"local={toy}"}, check=0)
+    warned = [line for line in res.stderr.splitlines() if line.startswith("warning:")]
+    assert warned == [
+        f"warning: AREAL_SCHEDULERS: 'local={toy}' replaces the built-in 'local' scheduler "
+        "(areal_cli.schedulers.local:LocalScheduler)"
+    ], res.stderr
+    assert "Traceback" not in res.stderr
+    # A new name, or a built-in named as itself, replaces nothing: no warning.
+    same = "local=areal_cli.schedulers.local:LocalScheduler"
+    for value in (PLUGIN["AREAL_SCHEDULERS"], same):
+        quiet = areal("ps", env={**PLUGIN, "AREAL_SCHEDULERS": value}, check=0)
+        assert "warning" not in quiet.stderr, quiet.stderr

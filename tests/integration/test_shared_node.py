@@ -575,7 +575,7 @@ def test_gpus_of_other_users_and_of_any_gpu_process_are_not_handed_out(shared_ro
         (["--experiment", "x" * 300], "characters long"),
         (["--trial", "-rf"], "not usable"),
         (["--trial", "../up"], "not usable"),
-        (["--health-timeout", "nan"], "not a number of seconds"),
+        (["--health-timeout", "nan"], "not a finite number"),
     ],
 )
 def test_hostile_names_and_values_exit_2(model, args, needle):

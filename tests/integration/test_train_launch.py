@@ -65,10 +65,15 @@ def test_areal_overrides_and_debug_preset(served):
     (tr,) = plan["processes"]
     argv = tr["argv"][tr["argv"].index(SCRIPT) + 1 :]
     assert argv[:2] == ["--config", "x.yaml"]
-    assert "allocation_mode=hf:d2+fsdp:d1" in argv
-    assert "cluster.name_resolve.type=nfs" in argv
-    assert f"cluster.name_resolve.nfs_record_root={os.environ['AREAL_REGISTRY']}" in argv
-    assert "rollout.experiment_name=default" in argv and "rollout.trial_name=trial0" in argv
+    # No AReaL in this interpreter (a dry run plans anyway): AReaL ≥ 1.0's keys, in hydra's
+    # add-or-override form; an hf server speaks SGLang's protocol.
+    assert "++rollout.backend=sglang:d2" in argv and "++actor.backend=fsdp:d1" in argv
+    assert not [a for a in argv if "allocation_mode" in a]
+    assert "++cluster.name_resolve.type=nfs" in argv
+    assert f"++cluster.name_resolve.nfs_record_root={os.environ['AREAL_REGISTRY']}" in argv
+    assert "++rollout.experiment_name=default" in argv and "++rollout.trial_name=trial0" in argv
+    assert "++actor.experiment_name=default" in argv and "++actor.trial_name=trial0" in argv
+    assert tr["env"]["AREAL_SPMD_MODE"] == "1"
     assert tr["env"].get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL"
 
 

@@ -60,7 +60,9 @@ def test_wrong_group_names_the_groups_each_rank_waits_in():
     assert analyze(stacks).verdict.kind == "collective_stuck"
     v = analyze(stacks, flights=flights(answers("wrong_group"))).verdict
     assert v.kind == "wrong_group"
-    assert v.odd_ranks == [1]
+    # One rank in each group, each group's other member in the other: either may be wrong.
+    assert v.odd_ranks == [] and v.candidates == [0, 1]
+    assert "either side may be the wrong one" in v.summary
     assert "rank 0 in group dp (#1 all_reduce); rank 1 in group tp (#1 all_reduce)" in v.summary
     assert {r: (e.desc, e.seq) for r, e in v.reached.items()} == {0: ("dp", 1), 1: ("tp", 1)}
 

@@ -115,11 +115,15 @@ def test_collective_type_mismatch_odd_ranks_are_outside_the_largest_group():
     assert {r.collective for r in a.ranks} == {"all_reduce", "send/recv"}
 
 
-def test_collective_type_mismatch_tie_goes_to_the_lowest_rank_and_says_so():
-    a = analyze(one(waiting(1, "all_reduce"), waiting(2, "barrier")))
+def test_collective_type_mismatch_tie_names_no_rank_and_lists_the_candidates():
+    # Two against two: nothing says which side took the wrong branch; naming one would be a
+    # guess given with the confidence of the samples.
+    a = analyze(one(waiting(1, "all_reduce"), waiting(2, "all_reduce"), waiting(3, "barrier"),
+                    waiting(4, "barrier")))  # fmt: skip
     assert a.verdict.kind == "collective_type_mismatch"
-    assert a.verdict.odd_ranks == [1]
+    assert a.verdict.odd_ranks == [] and a.verdict.candidates == [0, 1, 2, 3]
     assert "equal size" in a.verdict.summary
+    assert a.verdict.to_json()["candidates"] == [0, 1, 2, 3]
 
 
 def test_missing_rank_from_world_size():

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from areal_cli.diagnose import why
+from areal_cli.schedulers.api import Scheduler
 from tests.helpers import REPO, areal
 
 LOGS = REPO / "tests" / "fixtures" / "logs"
@@ -155,7 +157,7 @@ def test_how_slurm_ended_a_job_names_who_sent_the_signal():
     assert why.record_events("killed", None, scheduler="local") == []
 
 
-class _Reclaiming:
+class _Reclaiming(Scheduler):
     """A scheduler of its own that kills jobs when it takes their nodes back."""
 
     killed_by = "the cluster reclaiming its nodes"
@@ -244,3 +246,182 @@ def test_cli_bad_input_is_one_message_and_exit_2(tmp_path):
     for args in (["--log", str(tmp_path / "missing.log")], [], ["a/b/c"], ["nojob/here"]):
         res = areal("doctor", "why", *args, env={"AREAL_HOME": str(tmp_path)}, check=2)
         assert "error:" in res.stderr and "Traceback" not in res.stderr
+
+
+# -- logs as they come from the field (issue #24): classes of misses, each a general rule ------
+
+# Rank 1's traceback of AReaL issue #752, as torch wrote it, without any prefix.
+_TB = (LOGS / "areal-752.log").read_text().splitlines()[5:17]
+_TB = [line.removeprefix("[rank1]: ").removeprefix("[rank1]:") for line in _TB]
+
+
+def _dress(how: str) -> list[str]:
+    """The same traceback as launchers, loggers and pastes hand it over."""
+    if how == "timestamp before [rankN]:":
+        return [f"2025-12-19T09:39:34.790123Z [rank1]: {x}" for x in _TB]
+    if how == "vLLM worker":
+        return [f"(VllmWorker rank=1 pid=4242) ERROR 12-19 09:39:34 [executor.py:487] {x}"
+                for x in _TB]  # fmt: skip
+    if how == "Ray actor":
+        return [f"\x1b[36m(TrainActor pid=4242, ip=10.0.0.2)\x1b[0m {x}" for x in _TB]
+    if how == "SGLang mid-line":
+        return [f"[2025-12-19 09:39:34 TP1] Scheduler hit an exception: {_TB[0]}", *_TB[1:]]
+    if how == "quoted reply":
+        return ["> " + x for x in _TB]
+    if how == "indentation lost":
+        return [x.strip() for x in _TB]
+    if how == "abridged":
+        return [*_TB[:2], "[...]", *_TB[5:]]
+    if how == "Markdown fence":
+        return ["```", *_TB, "```"]
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "timestamp before [rankN]:",
+        "vLLM worker",
+        "Ray actor",
+        "SGLang mid-line",
+        "quoted reply",
+        "indentation lost",
+        "abridged",
+        "Markdown fence",
+    ],
+)
+def test_a_traceback_is_read_through_prefixes_and_pastes(how):
+    rep = why.analyze(why.parse_log("pasted.log", _dress(how)))
+    assert rep.root.kind == "python_exception", how
+    assert rep.root.message == "ValueError: Invalid backend: None, expected sglang or vllm", how
+    assert rep.root.where.endswith("areal/experimental/trainer/rl.py:413"), how
+    if how in ("timestamp before [rankN]:", "vLLM worker", "SGLang mid-line"):
+        assert rep.root.rank == 1, how  # the prefix (or SGLang's TP1) names the rank
+
+
+_TIMEOUT = (
+    "[rank{r}]:[E1206 18:44:12.715298746 ProcessGroupNCCL.cpp:607] [Rank {r}] Watchdog caught "
+    "collective operation timeout: WorkNCCL(SeqNum=7753, OpType=ALLREDUCE, NumelIn=5, "
+    "NumelOut=5, Timeout(ms)=600000) ran for 600061 milliseconds before timing out."
+)
+
+
+@pytest.mark.parametrize(
+    "first, kind",
+    [
+        ("[rank5]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 58.15 GiB. "
+         "GPU 5 has a total capacity of 79.1 GiB of which 1.2 GiB is free.", "cuda_oom"),
+        ("[12345.678] Out of memory: Killed process 4242 (python) total-vm:53312244kB, "
+         "anon-rss:31451456kB, file-rss:74816kB, shmem-rss:12296kB, UID:0", "oom_killer"),
+        ("(raylet) node_manager.cc:3277: 1 Workers (tasks / actors) killed due to memory "
+         "pressure (OOM), 0 Workers crashed due to other reasons at node", "oom_killer"),
+    ],
+)  # fmt: skip
+def test_order_over_volume_one_oom_among_fifty_timeouts(first, kind):
+    # Fifty ranks' timeouts printed first, then the one line that caused them.
+    lines = [_TIMEOUT.format(r=r) for r in range(50) if r != 5] + [first]
+    lines += [_TIMEOUT.format(r=r) for r in range(50, 64)]
+    rep = why.analyze(why.parse_log("job.log", lines))
+    assert rep.root.kind == kind
+    assert all(e.kind == "collective_timeout" for e in rep.secondary)
+    assert rep.advice["action"] == ("stop" if kind == "cuda_oom" else "restart")
+
+
+@pytest.mark.parametrize(
+    "line, rank, named",
+    [
+        ("ERROR:torch.distributed.elastic.multiprocessing.api:failed (exitcode: -9) "
+         "local_rank: 3 (pid: 407727) of binary: /usr/bin/python", 3, "SIGKILL"),
+        ("E0323 21:57:08.583000 23 torch/distributed/elastic/multiprocessing/api.py:869] "
+         "failed (exitcode: -11) local_rank: 1 (pid: 88) of binary: /opt/venv/bin/python3",
+         1, "SIGSEGV"),
+        ("[2024-02-09 09:09:15,164] torch.distributed.elastic.multiprocessing.api: [ERROR] "
+         "failed (exitcode: -6) local_rank: 0 (pid: 170581) of binary: /usr/bin/python3", 0,
+         "SIGABRT"),
+        ("[2023-04-14 13:11:27,885] [ERROR] [launch.py:434:sigkill_handler] ['/usr/bin/python3',"
+         " '-u', 'main.py', '--local_rank=2'] exits with return code = -9", 2, "SIGKILL"),
+        ("srun: error: node-7: task 6: Killed", 6, "SIGKILL"),
+        ("subprocess.CalledProcessError: Command '['/usr/bin/python3', '-u', 'train.py', "
+         "'--local_rank=7']' died with <Signals.SIGSEGV: 11>.", 7, "SIGSEGV"),
+        ("srun: error: node-7: task 2: Exited with exit code 3", 2, "exit code 3"),
+    ],
+)  # fmt: skip
+def test_a_launchers_one_line_report_names_the_rank_and_the_signal(line, rank, named):
+    rep = why.analyze(why.parse_log("launcher.log", ["step 12", line]))
+    assert rep.root.rank == rank
+    assert named in rep.root.message
+    want = {"SIGABRT": "native_abort", "exit code 3": "exit_code"}.get(named, "signal")
+    assert rep.root.kind == want
+
+
+def test_a_launchers_traceback_is_never_the_root():
+    # torchrun's own traceback, cut by the paste before its ChildFailedError: the messenger.
+    lines = (REPO / "tests" / "fixtures" / "why" / "minicpm-v-770.log").read_text().splitlines()
+    rep = why.analyze(why.parse_log("x.log", lines))
+    assert (rep.root.kind, rep.root.rank, rep.root.where) == ("signal", 0, None)
+    assert "SIGKILL" in rep.root.message
+    assert {e.kind for e in rep.secondary} == {"child_failed"}  # its line and its traceback
+
+
+def test_advice_is_in_the_report_the_json_and_the_text():
+    assert why_advice("python_exception")["action"] == "stop"
+    assert why_advice("collective_timeout")["action"] == "restart"
+    assert why_advice("signal", sender="areal stop")["action"] == "stop"
+    assert why_advice("signal", sender="Slurm preemption")["action"] == "restart"
+    assert why_advice("signal", exit_code=-9)["action"] == "unknown"
+    assert "SIGKILL" in why_advice("signal", exit_code=-9)["reason"]
+    log = str(LOGS / "areal-752.log")
+    out = json.loads(areal("doctor", "why", "--log", log, "--json", check=0).stdout)
+    assert out["advice"]["action"] == out["root_cause"]["advice"]["action"] == "stop"
+    assert out["advice"]["reason"]
+    text = areal("doctor", "why", "--log", log, check=0).stdout
+    assert "advice: stop · a Python exception" in " ".join(text.split())
+
+
+def why_advice(kind, **kw):
+    from areal_cli.diagnose.why_kinds import advice
+
+    return advice(kind, **kw)
+
+
+def test_only_consequences_name_candidates_not_a_rank():
+    lines = [_TIMEOUT.format(r=r) for r in (3, 0, 1)]
+    rep = why.analyze(why.parse_log("job.log", lines))
+    assert rep.root.kind == "collective_timeout" and rep.root.rank is None
+    assert rep.candidates == [0, 1, 3] and "consequences" in rep.unsure
+    root = rep.to_json()["root_cause"]
+    assert root["rank"] is None and root["candidates"] == [0, 1, 3]
+
+
+def test_help_lists_every_kind_of_the_table():
+    from areal_cli.diagnose.why_kinds import KINDS
+
+    text = areal("doctor", "why", "--help", env={"COLUMNS": "120"}, check=0).stdout
+    for k in KINDS:  # one line each: the kind, then its advice
+        assert re.search(rf"^\s*{k.name}\s+{k.advice}\s", text, re.M), k.name
+
+
+def test_a_sigkill_on_another_host_is_not_judged_by_this_hosts_kernel_log():
+    lines = (REPO / "tests" / "fixtures" / "why" / "cppo-6.log").read_text().splitlines()
+    here = why.Kernel(oom_kills={14750: "Out of memory: Killed process 14750 (python)"},
+                      dmesg_readable=True, host="this-node")  # fmt: skip
+    rep = why.analyze(why.parse_log("x.log", lines), here)
+    assert (rep.root.kind, rep.root.rank) == ("signal", 0)  # the same pid here proves nothing
+    assert "mlxlab115rp2n7682d40d9" in rep.root.sender and "not read here" in rep.root.sender
+
+
+def test_a_traceback_cut_by_the_teardown_does_not_outrank_what_killed_its_peer():
+    # Rank 1 was killed; torchrun's SIGTERM cut rank 0 while it printed its traceback.
+    lines = [
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "/home/me/job/train.py", line 40, in <module>',
+        "[rank0]:     dist.all_reduce(load_batch(step))",
+        "W1219 09:39:36.303000 2211 torch/distributed/elastic/multiprocessing/api.py:908] "
+        "Sending process 2285 closing signal SIGTERM",
+        "E1219 09:39:36.468000 2211 torch/distributed/elastic/multiprocessing/api.py:882] "
+        "failed (exitcode: -9) local_rank: 1 (pid: 2286) of binary: /usr/bin/python3",
+    ]
+    rep = why.analyze(why.parse_log("torchrun.log", lines))
+    assert (rep.root.kind, rep.root.rank, rep.root.exit_code) == ("signal", 1, -9)
+    cut = next(e for e in rep.secondary if e.rank == 0)
+    assert cut.cut and "traceback is cut" in cut.message and cut.where == "/home/me/job/train.py:40"

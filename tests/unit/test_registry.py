@@ -423,3 +423,23 @@ def test_group_or_world_writable_entries_are_not_trusted(tmp_path):
     os.chmod(tmp_path / USER, 0o777)
     listing = reg.list()
     assert listing.servers == [] and "writable by group or others" in listing.skipped[0][1]
+
+
+def test_the_trials_last_job_takes_what_areals_trainer_wrote_with_it(backend):
+    """AReaL's trainer writes keys of its own under the trial (update_weights_from_disk/<n>
+    from its disk sync); the stop of the trial's last job removes them, not those of another
+    trial, nor while a server of the trial still runs."""
+    reg = backend.reg
+    areal_keys = [f"{USER}/e/t/update_weights_from_disk/{n}" for n in (0, 1)]
+    other = f"{USER}/e/u/update_weights_from_disk/0"
+    for key in (*areal_keys, other):
+        backend.raw_put(key, "1796450000.5")
+    reg.register(entry(1, marker="serve-job"))
+    reg.register(entry(2, marker="other-serve-job"))
+    assert reg.deregister_job("e", "t", "serve-job") == 1
+    assert set(areal_keys) <= set(backend.areal_read(f"{USER}/e/t"))  # a server still runs
+    assert reg.deregister_job("e", "t", "other-serve-job") == 1
+    assert backend.areal_read(f"{USER}/e/t") == {}
+    assert list(backend.areal_read(f"{USER}/e/u")) == [other]
+    # Before a run, `areal train --areal-overrides` clears what an earlier trainer left.
+    assert reg.clear_foreign("e", "u") == 1 and backend.areal_read(f"{USER}/e/u") == {}

@@ -404,7 +404,7 @@ def _remember_probe(key: str) -> None:
 
     keys = [k for k in _passed_probes() if k != key][-31:] + [key]
     try:
-        settings.home().mkdir(parents=True, exist_ok=True)
+        files.private_dir(settings.home())
         files.write_atomic(settings.home() / _PROBE_CACHE, json.dumps(keys))
     except (OSError, files.DiskFull):
         pass  # only the next start pays the probe again

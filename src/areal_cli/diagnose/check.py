@@ -40,10 +40,13 @@ def run_checks(
     home: str | Path | None = None,
     registry: str | Path | None = None,
     scheduler: str | None = None,
+    python: str | None = None,
 ) -> list[Row]:
     rows = [python_row(), areal_command_row(), *torch_rows(), gpus_row()]
     engines = server_engines(settings.registry_url(registry))
     rows += [package_row("transformers"), *(engine_row(p, engines) for p in ENGINES)]
+    if python:
+        rows += areal_rows(python, engines)
     rows += [pyspy_row(), shm_row(), nofile_row()]
     rows += registry_rows(settings.registry_url(registry))
     sglang_runs = any("sglang" in e.versions or e.backend == "sglang" for e in engines)
@@ -276,6 +279,49 @@ def engine_row(name: str, engines: list[ServerEngine]) -> Row:
         f"pip install 'areal-cli[{name}]', or serve from a venv that has it: "
         f"areal serve --backend {name} --python VENV/bin/python",
     )
+
+
+def areal_rows(python: str, engines: list[ServerEngine]) -> list[Row]:
+    """AReaL in `python` (the trainer's interpreter, `areal train --python`): its version,
+    the sglang metadata its trainer reads (areal/api/cli_args.py SGLangConfig.build_args),
+    and running SGLang servers of another version than AReaL pins (its xccl weight sync
+    speaks the pinned version's protocol)."""
+    from areal_cli import areal_entry
+    from areal_cli.errors import UsageError
+
+    try:
+        got = areal_entry.ask(python)
+    except UsageError as e:
+        return [Row("areal (trainer)", FAIL, e.message, "give an existing Python: --python X")]
+    if not got.get("areal"):
+        return [Row("areal (trainer)", FAIL, f"AReaL is not installed in {python}",
+                    "pip install areal in that venv, or build one: scripts/areal-venv.sh")]  # fmt: skip
+    target = areal_entry.Target(python, got["areal"], got.get("sglang"), got.get("sglang_pin"))
+    pin = target.sglang_pin
+    rows = [Row("areal (trainer)", PASS, f"AReaL {target.version} in {python}")]
+    if not target.sglang:
+        rows.append(Row(
+            "sglang metadata", FAIL,
+            f"not installed in {python}: AReaL's trainer reads sglang's version before it "
+            "talks to SGLang (or hf) servers (areal/api/cli_args.py SGLangConfig.build_args)",
+            f"install the package alone: {target.pin_hint()}",
+        ))  # fmt: skip
+    elif pin and target.sglang != pin:
+        rows.append(Row("sglang metadata", WARN, f"{target.sglang}; AReaL pins {pin}",
+                        target.pin_hint()))  # fmt: skip
+    else:
+        rows.append(Row("sglang metadata", PASS, f"{target.sglang} (AReaL pins {pin})"))
+    other = [e for e in engines if pin and e.versions.get("sglang") not in (None, pin)]
+    if other:
+        served = "; ".join(f"{', '.join(e.addrs[:3])} run SGLang {e.versions['sglang']}"
+                           for e in other)  # fmt: skip
+        rows.append(Row(
+            "served sglang", WARN,
+            f"{served}; AReaL {target.version} pins SGLang {pin}: its process-group weight "
+            "sync (actor.weight_update_mode=xccl) fails against them, its disk sync works",
+            f"sync by disk (actor.weight_update_mode=disk), or serve SGLang {pin}",
+        ))  # fmt: skip
+    return rows
 
 
 def package_row(name: str) -> Row:

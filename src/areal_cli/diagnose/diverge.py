@@ -57,12 +57,15 @@ class DivergeResult:
 class _Local:
     """The ranks of this host, asked over their channels directly."""
 
-    def __init__(self, job: Job):
+    def __init__(self, job: Job, deadline: float):
         self.pids = {r.rank if r.rank is not None else i: r.pid for i, r in enumerate(job.ranks)}
         self.nodes: dict[int, str] = {}
         self.world_size = job.world_size
+        self.deadline = deadline
 
     def ask(self, op: str, timeout: float = 5.0, **args) -> dict[int, dict | Exception]:
+        timeout = _within(timeout, self.deadline)
+
         def one(pid: int):
             try:
                 return channel.ask(pid, op, timeout=timeout, **args)
@@ -74,14 +77,21 @@ class _Local:
 
     def progress_twice(self, gap: float) -> tuple[dict, dict]:
         first = self.ask("progress")
+        if any(isinstance(a, Exception) for a in first.values()):
+            return first, first  # a rank that did not answer once is named now
         time.sleep(gap)
         return first, self.ask("progress")
+
+    def stopped(self, ranks) -> dict[int, int]:
+        """rank -> pid of those of `ranks` whose process is stopped (SIGSTOP, a debugger)."""
+        return {r: self.pids[r] for r in ranks if r in self.pids and _stopped(self.pids[r])}
 
 
 class _Nodes:
     """The ranks of a cluster job, asked on their nodes: one scheduler call per phase."""
 
-    def __init__(self, job: Job):
+    def __init__(self, job: Job, deadline: float):
+        self.deadline = deadline
         self.job = job
         self.nodes: dict[int, str] = {}
         self.pids: dict[int, int] = {}
@@ -127,24 +137,55 @@ class _Nodes:
         return out
 
     def ask(self, op: str, timeout: float = 5.0, **args) -> dict[int, dict | Exception]:
-        return self._answers(self._call(op, timeout, **args))
+        return self._answers(self._call(op, _within(timeout, self.deadline), **args))
 
     def progress_twice(self, gap: float) -> tuple[dict, dict]:
-        data = self._call("progress", 5.0, gap=gap)
+        data = self._call("progress", _within(5.0, self.deadline), gap=gap)
         return self._answers(data), self._answers(data, "again")
+
+    def stopped(self, ranks) -> dict[int, int]:
+        return {}  # another node's /proc is not ours to read
+
+
+def _within(timeout: float, deadline: float) -> float:
+    """A request's timeout that ends by the run's deadline (--timeout is for the whole run)."""
+    return max(0.5, min(timeout, deadline - time.monotonic()))
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (state T) or stopped by a tracer (t): it answers
+    nothing, its channel thread included, until it gets SIGCONT."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] in (b"T", b"t")
+    except (OSError, ValueError):
+        return False
+
+
+def _raise_stopped(ranks, which, job: Job) -> None:
+    stopped = ranks.stopped(which)
+    if stopped:
+        pids = " ".join(str(p) for p in stopped.values())
+        raise UsageError(
+            f"rank(s) {sorted(stopped)} of {job.label} (pid {pids}) are stopped (state T): a "
+            "stopped process answers nothing and the others wait for it in their collectives",
+            hint=f"kill -CONT {pids} resumes them; then run this again",
+        )
 
 
 def run(
     job: Job, *, timeout: float = 60.0, lead_s: float = 1.0, tries: int = TRIES
 ) -> DivergeResult:
     t0 = time.monotonic()
-    ranks = _Nodes(job) if job.scheduler_job_id else _Local(job)
+    deadline = t0 + timeout  # for everything: the asks, the arming, the wait for the step
+    ranks = _Nodes(job, deadline) if job.scheduler_job_id else _Local(job, deadline)
     sent = time.monotonic()
     first, again = ranks.progress_twice(GAP_S)
     # One request's round trip: what the two reads took beyond the gap between them, halved.
     rtt = max(0.0, (time.monotonic() - sent - GAP_S) / 2)
-    _raise_unanswered(first, job)
-    _raise_unanswered(again, job)
+    _raise_unanswered(first, job, ranks)
+    _raise_unanswered(again, job, ranks)
     steps = {r: a["step"] for r, a in again.items()}
     if any(s is None for s in steps.values()):
         silent = sorted(r for r, s in steps.items() if s is None)
@@ -176,6 +217,16 @@ def run(
             raise
         rtt = max(rtt, time.monotonic() - sent)
         if all(isinstance(a, dict) and a.get("armed") for a in armed.values()):
+            # A rank that watches no model could not take part in the check's collectives:
+            # the check is not for this job (a bad target), not a mismatch.
+            blind = sorted(r for r, a in armed.items() if not a.get("has_model", True))
+            if blind:
+                ranks.ask("diverge_cancel", step=target)
+                raise UsageError(
+                    f"rank(s) {blind} of {job.label} watch no model: there is nothing to compare",
+                    hint="the training script names its model with areal_cli.worker.watch("
+                    "model, optimizer) (shard_model does it)",
+                )
             try:
                 committed = ranks.ask("diverge_commit", step=target)
             except ArealError as e:
@@ -194,9 +245,9 @@ def run(
                 )
             break
         ranks.ask("diverge_cancel", step=target)
-        _raise_unanswered(armed, job)
+        _raise_unanswered(armed, job, ranks)
         first, again = ranks.progress_twice(GAP_S)
-        _raise_unanswered(again, job)
+        _raise_unanswered(again, job, ranks)
         rate = max(rate, _rate(first, again))
     else:
         now = {r: a.get("step") for r, a in again.items() if isinstance(a, dict)}
@@ -205,13 +256,14 @@ def run(
             f"last {target}; steps now {now}, about {rate:.0f} steps/s)",
             hint="try again; a job whose steps come in bursts is hardest to catch",
         )
-    deadline = time.monotonic() + timeout
     results: dict[int, dict] = {}
     all_ranks = sorted(armed)
     while time.monotonic() < deadline and len(results) < len(all_ranks):
         # On a cluster job each poll is a scheduler call: wait longer in each.
         most = 10.0 if isinstance(ranks, _Nodes) else 2.0
-        wait = min(most, max(0.05, deadline - time.monotonic()))
+        # Half a second short of the deadline: the answer then comes before the request's
+        # own timeout (both end at the deadline otherwise, and a late answer is lost).
+        wait = min(most, max(0.05, deadline - time.monotonic() - 0.5))
         got = ranks.ask("diverge_result", timeout=wait + 5, step=target, wait=wait)
         for r, a in got.items():
             if r in results:
@@ -225,7 +277,16 @@ def run(
     if not done:
         # Left armed on purpose: withdrawing it now could reach some ranks after the others
         # entered the check, and those would wait in its collectives for ever.
-        now = ranks.ask("progress")
+        stopped = ranks.stopped(all_ranks)
+        if stopped:
+            pids = " ".join(str(p) for p in stopped.values())
+            raise WaitTimeout(
+                f"no rank of {job.label} reached step {target} within {timeout:g}s: rank(s) "
+                f"{sorted(stopped)} (pid {pids}) are stopped (state T); the check stays armed "
+                "and runs if they get there",
+                hint=f"kill -CONT {pids} resumes them",
+            )
+        now = ranks.ask("progress", timeout=1.0)
         where = {r: a["step"] for r, a in sorted(now.items()) if isinstance(a, dict)}
         raise WaitTimeout(
             f"no rank of {job.label} reached step {target} within {timeout:g}s (steps now "
@@ -253,11 +314,17 @@ def _rate(first: dict, again: dict) -> float:
     return max(0, max(b) - max(a)) / GAP_S
 
 
-def _raise_unanswered(answers: dict, job: Job) -> None:
+def _raise_unanswered(answers: dict, job: Job, ranks=None) -> None:
     bad = {r: a for r, a in answers.items() if isinstance(a, Exception)}
-    if bad:
-        first = next(iter(bad.values()))
-        raise UsageError(
-            f"rank(s) {sorted(bad)} of {job.label} do not answer the doctor's channel: {first}",
-            hint="the ranks must run on areal's worker runtime (areal_cli.worker.connect())",
-        )
+    if not bad:
+        return
+    if ranks is not None:
+        _raise_stopped(ranks, bad, job)
+    first = next(iter(bad.values()))
+    kinds = {getattr(a, "kind", "failed") for a in bad.values()}
+    raise UsageError(
+        f"rank(s) {sorted(bad)} of {job.label} do not answer the doctor's channel: {first}",
+        hint="the ranks must run on areal's worker runtime (areal_cli.worker.connect())"
+        if kinds == {"absent"}
+        else "areal doctor hang shows where they are",
+    )

@@ -215,6 +215,29 @@ def sizes_disagree(flights: list[RankFlight]) -> tuple[Entry, dict[int, Entry]] 
     return found[0][2], found[0][3]
 
 
+def ops_disagree(flights: list[RankFlight]) -> tuple[Entry, dict[int, Entry]] | None:
+    """The earliest collective (group, number) that ranks recorded as different ops, a rank
+    still waiting in it: (one of them, rank -> its entry), or None. Threads of one rank that
+    issue collectives on one group in a rank-dependent order leave this, while the stacks of
+    every rank look alike."""
+    by_key: dict[tuple[str, int], dict[int, Entry]] = {}
+    for f in flights:
+        for e in f.entries:
+            if not e.p2p:
+                by_key.setdefault((e.pg, e.seq), {})[f.rank] = e
+    found = [
+        (seq, min(e.record_id for e in per_rank.values()), per_rank)
+        for (_pg, seq), per_rank in by_key.items()
+        if len(per_rank) > 1
+        and any(e.pending for e in per_rank.values())
+        and len({e.op for e in per_rank.values()}) > 1
+    ]
+    if not found:
+        return None
+    _seq, _rid, per_rank = min(found, key=lambda x: (x[0], x[1]))
+    return min(per_rank.values(), key=lambda e: e.record_id), per_rank
+
+
 def groups_disagree(flights: list[RankFlight]) -> dict[str, list[int]] | None:
     """Ranks waiting in different process groups where a member of one waits in another:
     group name -> the ranks waiting in it; None when nobody does."""
@@ -263,8 +286,10 @@ def torch_pg_config(f: RankFlight) -> dict:
 
 def write_torch_dumps(flights: list[RankFlight], out: Path) -> list[Path]:
     """One file per rank in the format `torchfrtrace DIR` reads (a pickle named
-    fr_trace_<rank>), pg_config repaired."""
-    out.mkdir(parents=True, exist_ok=True)
+    fr_trace_<rank>), pg_config repaired. Private, as the bundle that holds them (files)."""
+    from areal_cli import files
+
+    out = files.private_dir(out)
     written = []
     for f in flights:
         if not f.ok or f.raw is None:
@@ -276,7 +301,7 @@ def write_torch_dumps(flights: list[RankFlight], out: Path) -> list[Path]:
         path = out / f"fr_trace_{f.rank}"
         import pickle  # for the bundle only: not on doctor hang's start-up
 
-        path.write_bytes(pickle.dumps(d))
+        files.write_private(path, pickle.dumps(d))
         written.append(path)
     return written
 

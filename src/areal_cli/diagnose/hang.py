@@ -474,6 +474,31 @@ def _check(
     return tracer
 
 
+def note_refused(reports: list[HangReport], registry: str) -> None:
+    """A job that retries a refused request forever looks busy, or waits in a collective
+    behind the rank that retries: each verdict of a job found by name (--job) names the
+    servers of its trial that refuse their clients, with the last error
+    (areal_cli.request_errors; read from the registry, nothing is asked of the servers)."""
+    from areal_cli import request_errors
+
+    for rep in reports:
+        v = rep.analysis.verdict
+        experiment, _, trial = (rep.job.name or "").partition("/")
+        if v is None or not trial:
+            continue
+        try:
+            lines = request_errors.refusals(registry, [(experiment, trial)])
+        except Exception:  # a registry that does not answer: the verdict stands as it is
+            continue
+        if lines:
+            v.summary = "; ".join([v.summary, *lines])
+            v.evidence.extend(lines)
+            v.hint = v.hint or (
+                "the trainer retries what a server refuses: fix the request or the server "
+                "(its last error above; `areal ps --json` shows it whole)"
+            )
+
+
 def primary(reports: list[HangReport]) -> HangReport:
     """The report to show first: a job that hangs beats one that does not."""
     for rep in reports:
@@ -493,18 +518,18 @@ def to_json(reports: list[HangReport]) -> dict:
 
 def write_bundle(reports: list[HangReport], out_dir: str | Path) -> list[Path]:
     """Raw py-spy output per rank and sample taken plus summary.json, ready to attach to an
-    issue."""
+    issue. Private (files: 0700 folders, 0600 files, never through a symlink): stacks show
+    what the user's processes hold."""
     import json
     from pathlib import Path
 
+    from areal_cli import files
     from areal_cli.diagnose import flight
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = files.private_dir(Path(out_dir))
     written = []
     for n, rep in enumerate(reports):
-        sub = out if len(reports) == 1 else out / f"job{n}"
-        sub.mkdir(parents=True, exist_ok=True)
+        sub = out if len(reports) == 1 else files.private_dir(out / f"job{n}")
         rank_of = {((r.node, r.pid) if r.node else r.pid): r.rank for r in rep.job.ranks}
         for key, all_dumps in rep.dumps.items():
             # A cluster job's dumps are keyed (node, pid): pids repeat across nodes.
@@ -516,17 +541,17 @@ def write_bundle(reports: list[HangReport], out_dir: str | Path) -> list[Path]:
                 where = f"-{node}" if node else ""
                 path = sub / f"rank{rank_of.get(key)}{where}-pid{pid}{suffix}.json"
                 if d.ok:
-                    path.write_text(d.raw)
+                    files.write_private(path, d.raw)
                 else:
                     path = path.with_suffix(".error.txt")
-                    path.write_text(f"{d.error_kind}: {d.error}\n")
+                    files.write_private(path, f"{d.error_kind}: {d.error}\n")
                 written.append(path)
         if rep.flights:
-            fr = sub / "flight-recorder"
-            fr.mkdir(exist_ok=True)
+            fr = files.private_dir(sub / "flight-recorder")
             for rank, f in sorted(rep.flights.items()):
                 path = fr / f"rank{rank}.json"
-                path.write_text(json.dumps({"rank": rank, "groups": f.groups, "dump": f.raw}))
+                text = json.dumps({"rank": rank, "groups": f.groups, "dump": f.raw})
+                files.write_private(path, text)
                 written.append(path)
             # torchfrtrace reads these as they are: `torchfrtrace DIR --prefix fr_trace_`
             written += flight.write_torch_dumps(list(rep.flights.values()), fr / "torch")
@@ -534,6 +559,6 @@ def write_bundle(reports: list[HangReport], out_dir: str | Path) -> list[Path]:
     data = to_json(reports)
     data["host"] = os.uname().nodename
     data["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    summary.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    files.write_private(summary, json.dumps(data, indent=2, default=str) + "\n")
     written.append(summary)
     return written

@@ -22,6 +22,7 @@ of that namespace).
 
 from __future__ import annotations
 
+import atexit
 import os
 import select
 import signal
@@ -444,6 +445,8 @@ class Pending:
             # killed here, none keeps a rank paused after the doctor is gone.
             self.cancel()
             raise
+        with _running_lock:
+            _pending.discard(self)
         return {pid: self._out[pid] for pid in self._pids if pid in self._out}
 
     def cancel(self, grace: float = 5.0) -> None:
@@ -452,7 +455,9 @@ class Pending:
         py-spy and not yet listed it, or checked the stop just before it was set; on a busy
         host that window is long enough to leave a py-spy (and its rank paused) behind."""
         self._stop.set()
+        # A thread not alive once the stop is set (not started, or starting) never dumps.
         others = [t for t in self._threads if t is not threading.current_thread()]
+        others = [t for t in others if t.is_alive()]
         deadline = time.monotonic() + grace
         while True:
             _kill_running()
@@ -460,7 +465,20 @@ class Pending:
                 t.join(0.02)
             others = [t for t in others if t.is_alive()]
             if not others or time.monotonic() > deadline:
-                return
+                break
+        with _running_lock:
+            _pending.discard(self)
+
+
+_pending: set[Pending] = set()  # started and neither waited for nor cancelled
+
+
+@atexit.register
+def _cancel_all() -> None:
+    with _running_lock:
+        left = list(_pending)
+    for pending in left:
+        pending.cancel()
 
 
 def start_many(
@@ -505,10 +523,16 @@ def start_many(
                     on_done(d)
 
     n = max(1, min(len(pids), workers or default_workers())) if pids else 0
-    threads = [threading.Thread(target=work, name=f"py-spy-{i}") for i in range(n)]
+    # Daemon threads, cancelled at exit (_cancel_all): a Ctrl-C that lands before the caller
+    # waits (while these start, or between start_many and wait) would otherwise leave the
+    # interpreter waiting out each py-spy's timeout, the ranks paused meanwhile.
+    threads = [threading.Thread(target=work, name=f"py-spy-{i}", daemon=True) for i in range(n)]
+    pending = Pending(pids, out, threads, stop)
+    with _running_lock:
+        _pending.add(pending)
     for t in threads:
         t.start()
-    return Pending(pids, out, threads, stop)
+    return pending
 
 
 def _sample(

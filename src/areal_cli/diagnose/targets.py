@@ -259,6 +259,10 @@ def resolve(
 ) -> list[Job]:
     """Turn what the user named into jobs with their rank processes; UsageError (exit 2) when
     a target does not exist (or exits while being read), is not Python, or holds no ranks."""
+    if home is not None:
+        from areal_cli import settings
+
+        settings.home(home)  # a --home that names no folder is refused even when unused
     try:
         if job:
             return [_from_job(job, home)]

@@ -20,6 +20,10 @@ its way to reach them (Scheduler.run_on_nodes): each look runs `python -m
 areal_cli.diagnose.watchdog --marker M` on every node at once, which reads that node's ranks
 (their doctor channels are Unix sockets, private to the node) and prints their looks; on a
 stall the hang doctor samples every node the same way (diagnose.nodes).
+
+A bundle is private (a 0700 folder of new 0600 files, never through a symlink: files): it
+copies the last lines of logs only the job's user may read. Writing it may fail (a full disk):
+the stall is still said, with why the bundle is missing, and acted on.
 """
 
 from __future__ import annotations
@@ -33,9 +37,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from areal_cli import logfiles
+from areal_cli import files, logfiles
+from areal_cli.errors import ArealError
 
 ACTIONS = ("observe", "fail")
+# The verdict on a job whose ranks move while a server they use refuses every request: retries
+# that never end look like work (request_errors).
+REFUSED = "server-refuses-requests"
+# Seconds between two looks at the servers' errors (a registry read each).
+REFUSED_EVERY = 5.0
 # On unless turned off: half the worker runtime's collective timeout (600 s), so the verdict is
 # in the log before a timeout ends the job and takes the evidence with it; a healthy step (a
 # long generation, a long weight sync) may take up to 0.8 x that, 240 s, without a verdict.
@@ -57,6 +67,7 @@ class Stall:
     bundle: str | None
     reached: dict[str, dict] = field(default_factory=dict)
     latency_s: float = 0.0  # from the last progress to the verdict
+    bundle_error: str | None = None  # what of the bundle could not be written, and why
 
     def headline(self) -> str:
         odd = f" (odd ranks {','.join(map(str, self.odd_ranks))})" if self.odd_ranks else ""
@@ -71,6 +82,7 @@ class Stall:
             "odd_ranks": self.odd_ranks,
             "summary": self.summary,
             "bundle": self.bundle,
+            "bundle_error": self.bundle_error,
             "reached": self.reached,
         }
 
@@ -165,8 +177,11 @@ class Watchdog:
         tick: float | None = None,
         looks: LooksFn | None = None,
         keep_servers: Callable[[Path], None] | None = None,
+        refused: Callable[[], list[str]] | None = None,
     ):
         self.seconds = float(seconds)
+        # -> one line per server the job uses that refuses its clients (request_errors)
+        self.refused = refused
         self.log_dir = Path(log_dir)
         self.ranks = ranks
         self.server_pids = server_pids
@@ -201,20 +216,58 @@ class Watchdog:
                 return None
         return {r.pid: look(r.pid) for r in job.ranks}
 
+    def _refusals(self) -> list[str]:
+        try:
+            return list(self.refused()) if self.refused is not None else []
+        except Exception:  # a registry that does not answer now: no verdict from it
+            return []
+
+    def _check_refused(self, state: dict) -> None:
+        """Ranks that move while a server refuses them everything: said once per episode."""
+        now = time.monotonic()
+        if self.refused is None or now < state.get("next", 0.0):
+            return
+        state["next"] = now + REFUSED_EVERY
+        lines = self._refusals()
+        if not lines:
+            state["fired"] = False
+            return
+        if state.get("fired"):
+            return
+        state["fired"] = True
+        summary = "; ".join(lines)
+        bundle, error = self._write_bundle(self._job, None, summary)
+        stall = Stall(at=time.time(), idle_s=0.0, kind=REFUSED, odd_ranks=[], summary=summary,
+                      bundle=None if bundle is None else str(bundle), bundle_error=error)  # fmt: skip
+        self.stalls.append(stall)
+        try:
+            self.on_stall(stall)
+        except Exception:
+            pass
+
     def _run(self) -> None:
         clock = StallClock(self.seconds, time.monotonic())
         seen: dict = {}
+        refused: dict = {}
         while not self.stop.wait(self.tick):
             looks = self._looks()
             if not looks:
                 clock.update(True, time.monotonic())  # nothing to watch is no stall
                 continue
+            self._check_refused(refused)
             any_moved = any(moved(seen.get(key), now) for key, now in looks.items())
             seen = looks
             now = time.monotonic()
             if clock.update(any_moved, now) and not self.stop.is_set():
                 job = self.ranks() or self._job  # as they are now
-                stall = self._diagnose(job, now - clock.last_progress, clock.last_progress)
+                try:
+                    stall = self._diagnose(job, now - clock.last_progress, clock.last_progress)
+                except Exception as e:  # never the end of the watch: the stall still counts
+                    stall = Stall(
+                        at=time.time(), idle_s=now - clock.last_progress, kind=None,
+                        odd_ranks=[], summary=f"the watchdog could not diagnose: {_why(e)}",
+                        bundle=None, latency_s=time.monotonic() - clock.last_progress,
+                    )  # fmt: skip
                 self.stalls.append(stall)
                 try:
                     self.on_stall(stall)
@@ -227,31 +280,54 @@ class Watchdog:
     def _diagnose(self, job, idle_s: float, last_progress: float) -> Stall:
         from areal_cli.diagnose import hang
 
-        bundle = self.log_dir / f"watchdog-{time.strftime('%Y%m%d-%H%M%S')}"
-        kind, odd, summary, reached = None, [], "", {}
+        kind, odd, summary, reached, reports = None, [], "", {}, None
         try:
             reports = hang.diagnose([job], torch_analyzer=True)
-            hang.write_bundle(reports, bundle)
             v = reports[0].analysis.verdict
             if v is not None:
                 kind, odd, summary = v.kind, list(v.odd_ranks), v.summary
                 reached = {str(r): e.to_json() for r, e in v.reached.items()}
         except Exception as e:  # an unreadable job still gets its logs kept and a line
-            bundle.mkdir(parents=True, exist_ok=True)
-            summary = f"the hang doctor could not read the ranks: {getattr(e, 'message', e)}"
-            (bundle / "error.txt").write_text(summary + "\n")
-        self._keep_servers(bundle)
-        self._keep_logs(job, bundle)
+            summary = f"the hang doctor could not read the ranks: {_why(e)}"
+        refusals = self._refusals()
+        if refusals:  # what the ranks wait for may be a server that refuses them
+            summary = "; ".join([summary, *refusals]) if summary else "; ".join(refusals)
+        bundle, error = self._write_bundle(job, reports, summary)
         return Stall(
             at=time.time(),
             idle_s=idle_s,
             kind=kind,
             odd_ranks=odd,
             summary=summary,
-            bundle=str(bundle),
+            bundle=None if bundle is None else str(bundle),
             reached=reached,
             latency_s=time.monotonic() - last_progress,
+            bundle_error=error,
         )
+
+    def _write_bundle(self, job, reports, summary: str) -> tuple[Path | None, str | None]:
+        """The stall's bundle (the doctor's report, the servers' stacks, the logs' last lines)
+        and what could not be written, each part tried on its own: a failed write (a full
+        disk) is said, never raised."""
+        from areal_cli.diagnose import hang
+
+        try:
+            bundle = new_bundle(self.log_dir)
+        except Exception as e:
+            return None, _why(e, self.log_dir)
+        parts = [
+            (lambda: hang.write_bundle(reports, bundle)) if reports is not None
+            else (lambda: files.write_private(bundle / "error.txt", summary + "\n")),
+            lambda: self._keep_servers(bundle),
+            lambda: self._keep_logs(job, bundle),
+        ]  # fmt: skip
+        errors = []
+        for part in parts:
+            try:
+                part()
+            except Exception as e:
+                errors.append(_why(e, bundle))
+        return bundle, "; ".join(dict.fromkeys(errors)) or None
 
     def _keep_servers(self, bundle: Path) -> None:
         from areal_cli.diagnose import stacks
@@ -259,26 +335,55 @@ class Watchdog:
         pids = [p for p in self.server_pids() if not _gone(p)]
         if not pids:
             return
-        out = bundle / "servers"
-        out.mkdir(parents=True, exist_ok=True)
+        out = files.private_dir(bundle / "servers")
         try:
             dumps = stacks.dump_many(pids, pyspy=stacks.require_pyspy())
         except Exception as e:
-            (out / "error.txt").write_text(f"{getattr(e, 'message', e)}\n")
+            files.write_private(out / "error.txt", f"{getattr(e, 'message', e)}\n")
             return
         for pid, d in dumps.items():
             if d.ok:
-                (out / f"server-pid{pid}.json").write_text(d.raw)
+                files.write_private(out / f"server-pid{pid}.json", d.raw)
             else:
-                (out / f"server-pid{pid}.error.txt").write_text(f"{d.error_kind}: {d.error}\n")
+                files.write_private(
+                    out / f"server-pid{pid}.error.txt", f"{d.error_kind}: {d.error}\n"
+                )
 
     def _keep_logs(self, job, bundle: Path) -> None:
-        out = bundle / "logs"
-        out.mkdir(parents=True, exist_ok=True)
+        out = files.private_dir(bundle / "logs")
         for label, path in logfiles.select_logs(self.log_dir).items():
             if label.startswith(("rank", "server", "torchrun")):
                 lines = logfiles.tail(path, TAIL)
-                (out / f"{label}.tail.log").write_text("\n".join(lines) + "\n")
+                files.write_private(out / f"{label}.tail.log", "\n".join(lines) + "\n")
+
+
+def new_bundle(log_dir: str | Path) -> Path:
+    """A new private folder `watchdog-<time>` in the job's log folder (one only the user can
+    write): made by this call (mkdir never goes through what is at its name; a name taken
+    gets a suffix), 0700 whatever the umask."""
+    log_dir = Path(log_dir)
+    files.check_dir(log_dir)
+    base = f"watchdog-{time.strftime('%Y%m%d-%H%M%S')}"
+    for n in range(100):
+        path = log_dir / (base if n == 0 else f"{base}-{n}")
+        try:
+            os.mkdir(path, files.PRIVATE_DIR)
+        except FileExistsError:
+            continue
+        files.check_dir(path)
+        return path
+    raise files.UnsafePath(f"no free name for a bundle in {log_dir} ({base}-N taken)")
+
+
+def _why(e: BaseException, where: str | Path | None = None) -> str:
+    """One line of why something failed: a full disk names its filesystem."""
+    if where is not None and files.is_full(e):
+        return files.disk_full(where, e).message
+    if isinstance(e, ArealError):
+        return e.message
+    if isinstance(e, OSError):
+        return f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+    return f"{type(e).__name__}: {e}"
 
 
 def _gone(pid: int) -> bool:
@@ -290,15 +395,31 @@ def log_line(log_dir: str | Path, stall: Stall, seconds: float) -> str:
     line = (
         f"{time.strftime('%H:%M:%S', time.localtime(stall.at))} stall: no rank progressed for "
         f"{seconds:g}s; verdict {stall.headline()}; bundle {stall.bundle}"
+        if stall.kind != REFUSED
+        else f"{time.strftime('%H:%M:%S', time.localtime(stall.at))} refused: the ranks run, "
+        f"but {stall.summary}; bundle {stall.bundle}"
     )
     for rank, e in sorted(stall.reached.items(), key=lambda kv: int(kv[0])):
         line += f"\n  rank {rank}: collective #{e['seq']} of group {e['desc'] or e['pg']} " \
                 f"({e['op']}, {e['state']})"  # fmt: skip
-    path = Path(log_dir) / LOG_NAME
-    with open(path, "a") as f:
-        f.write(line + "\n")
+    if stall.bundle_error:
+        line += f"\n  bundle incomplete: {stall.bundle_error}"
+    # What cannot be written (a full disk, a planted symlink) stops neither the line nor the
+    # action on the stall: the caller shows the line and acts.
+    try:
+        fd = files.open_append(Path(log_dir) / LOG_NAME)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)
+    except (OSError, ArealError) as e:
+        line += f"\n  not written to {LOG_NAME}: {_why(e, log_dir)}"
     if stall.bundle:
-        Path(stall.bundle, "verdict.json").write_text(json.dumps(stall.to_json(), indent=2) + "\n")
+        try:
+            verdict = json.dumps(stall.to_json(), indent=2) + "\n"
+            files.write_private(Path(stall.bundle, "verdict.json"), verdict)
+        except (OSError, ArealError):
+            pass  # the verdict is in the line and in the job's record
     return line
 
 
@@ -329,6 +450,7 @@ def watch_nodes(
     servers: Callable[[], dict[str, list[int]]] = dict,
     python: str | None = None,
     tick: float | None = None,
+    refused: Callable[[], list[str]] | None = None,
 ) -> Watchdog:
     """The watchdog on a job of a cluster scheduler, started: every tick, each node's ranks (the
     job's processes there carrying RANK, found by `marker`) are looked at where they run; on a
@@ -366,25 +488,25 @@ def watch_nodes(
         where = {n: p for n, p in servers().items() if p}
         if not where:
             return
-        out = bundle / "servers"
-        out.mkdir(parents=True, exist_ok=True)
+        out = files.private_dir(bundle / "servers")
         cmds = {n: [py, "-m", "areal_cli.diagnose.watchdog", "--dump", ",".join(map(str, p))]
                 for n, p in where.items()}  # fmt: skip
         for node, (stdout, why) in reach(job_id, cmds, 60.0).items():
             try:
                 dumps = json.loads((stdout or "").strip().splitlines()[-1])["dumps"]
             except (ValueError, IndexError, KeyError, TypeError):
-                (out / f"{node}.error.txt").write_text(f"{why or 'no answer'}\n")
+                files.write_private(out / f"{node}.error.txt", f"{why or 'no answer'}\n")
                 continue
             for pid, d in dumps.items():
                 if d.get("raw"):
-                    (out / f"server-{node}-pid{pid}.json").write_text(d["raw"])
+                    files.write_private(out / f"server-{node}-pid{pid}.json", d["raw"])
                 else:
-                    (out / f"server-{node}-pid{pid}.error.txt").write_text(f"{d.get('error')}\n")
+                    text = f"{d.get('error')}\n"
+                    files.write_private(out / f"server-{node}-pid{pid}.error.txt", text)
 
     dog = Watchdog(
         seconds, log_dir, ranks=ranks, on_stall=on_stall, tick=tick or cluster_tick(seconds),
-        looks=looks, keep_servers=keep_servers,
+        looks=looks, keep_servers=keep_servers, refused=refused,
     )  # fmt: skip
     dog.start()
     return dog

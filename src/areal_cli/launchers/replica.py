@@ -33,6 +33,7 @@ import threading
 import time
 from pathlib import Path
 
+from areal_cli.files import private_dir
 from areal_cli.health import PROBE_TIMEOUT, first_request, probe_health
 from areal_cli.launchers import node
 from areal_cli.logfiles import fresh_log
@@ -64,6 +65,8 @@ class Replica:
         self.entry = None
         self.registry = None
         self._log = None
+        self._version = None  # _EngineVersion: the engine's package version
+        self._access = None  # the engine's access log, read for its errors (request_errors)
 
     # -- log ------------------------------------------------------------------------------
 
@@ -96,7 +99,7 @@ class Replica:
         argv = [_expand(a, tokens) for a in p["argv"]]
         if not leader:
             argv += list(p.get("follower_args") or ())
-        Path(p["log_path"]).parent.mkdir(parents=True, exist_ok=True)
+        private_dir(Path(p["log_path"]).parent)
         # O_APPEND: our lines and the server's interleave whole, never overwrite each other.
         self._log = fresh_log(p["log_path"])
         env = {**os.environ, **p["env"]}
@@ -113,6 +116,9 @@ class Replica:
             self.say(f"cannot start {argv[0]}: {e}")
             return 127
         server = self.server
+
+        # Read while the engine loads, for the entry (what AReaL's trainer is paired against).
+        self._version = _EngineVersion(argv[0], p.get("backend"))
 
         def wake_on_exit() -> None:
             server.wait()
@@ -230,6 +236,7 @@ class Replica:
             scheduler=plan.get("scheduler", "local"),
             scheduler_job_id=os.environ.get("AREAL_SCHEDULER_JOB_ID"),
             node=node.name(),
+            engine_version=self._version.get() if self._version else None,
         )
         return self._publish("registered")
 
@@ -288,9 +295,12 @@ class Replica:
                 listed = bool(self._publish(what))
                 dropped = dropped and not listed
                 continue
+            # What it answered with errors, carried with the renewal (request_errors).
+            errors = self._errors(host, int(port), min(5.0, interval))
+            updates = {"errors": errors} if errors != self.entry.errors else {}
             try:
                 if not self._unless_stopped(self.registry.keepalive, self.entry,
-                                            sign_with=self.key):  # fmt: skip
+                                            sign_with=self.key, **updates):  # fmt: skip
                     continue  # a stop came first
                 if failed_renewals:
                     self.say(f"renewal works again after {failed_renewals} failure(s)")
@@ -302,6 +312,23 @@ class Replica:
                 # a fresh registration under a new lease puts the server back.
                 if self._publish("registered again"):
                     failed_renewals = 0
+
+    def _errors(self, host: str, port: int, timeout: float) -> dict | None:
+        """The server's requests answered with errors lately: the hf server counts its own;
+        an engine's are read from its access log, which this runner writes."""
+        from areal_cli import request_errors
+
+        if self.p.get("backend") == "hf":
+            from areal_cli import control
+            from areal_cli.backends import protocol_sglang
+            from areal_cli.health import _connect_host
+
+            got = control._call(f"{_connect_host(host)}:{port}", "GET",
+                                protocol_sglang.SERVER_INFO_PATHS[0], self.key, timeout)  # fmt: skip
+            return request_errors.from_server_info(got[1]) if got and got[0] == 200 else None
+        if self._access is None:
+            self._access = request_errors.AccessLog(self.p["log_path"])
+        return self._access.read()
 
     def _paused(self, host: str, port: int, timeout: float) -> bool:
         from areal_cli import control
@@ -440,6 +467,43 @@ def replica_processes(marker: str, index: int) -> list:
         except Exception:
             continue
     return out
+
+
+class _EngineVersion:
+    """The engine package's version in the server's interpreter, read in a thread (one
+    short subprocess) while the engine loads; None where it cannot be read."""
+
+    _PROBE = (
+        "import sys; from importlib import metadata as m; "
+        "d = m.packages_distributions().get(sys.argv[1]) or []; "
+        "print(m.version(d[0]) if d else '')"
+    )
+
+    def __init__(self, python: str, backend: str | None):
+        from areal_cli import backends
+
+        b = backends.BACKENDS.get(backend or "")
+        self._value: str | None = None
+        self._thread = None
+        if b is None or backend == "hf":  # ours: its version is areal's own
+            return
+        self._thread = threading.Thread(
+            target=self._read, args=(python, b.package.split(".")[0]), daemon=True
+        )
+        self._thread.start()
+
+    def _read(self, python: str, package: str) -> None:
+        try:
+            out = subprocess.run([python, "-c", self._PROBE, package], capture_output=True,
+                                 text=True, timeout=60)  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            return
+        self._value = out.stdout.strip() or None if out.returncode == 0 else None
+
+    def get(self) -> str | None:
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        return self._value
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -122,10 +122,10 @@ def run_node(
     import signal
     import subprocess
 
+    from areal_cli.files import private_dir
     from areal_cli.logfiles import fresh_log
 
-    log_dir = Path(log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = private_dir(log_dir)
     files: dict[str, int] = {}
 
     def fd(name: str) -> int:

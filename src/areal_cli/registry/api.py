@@ -62,6 +62,12 @@ class ServerEntry:
     signature: str | None = None
     # False for entries without our metadata (e.g. registered by AReaL itself).
     managed: bool = True
+    # Requests it answered with errors in the last minute, as its runner read them
+    # (areal_cli.request_errors); None where nothing was read.
+    errors: dict | None = None
+    # The engine's package version in the server's interpreter (sglang, vllm), where its
+    # runner could read it: what AReaL's trainer is paired against (areal_entry).
+    engine_version: str | None = None
 
     def is_alive(self, now: float | None = None, pid_cache: dict | None = None) -> bool:
         if not self.managed:
@@ -264,6 +270,25 @@ class Registry(ABC):
         for r in self.ranks(experiment, trial, include_dead=True):
             if r.marker == marker:
                 self.deregister_rank(r)
+        # The trial's last job: what AReaL's trainer left under it goes with it.
+        if not self.list(experiment, trial).servers and not self.ranks(experiment, trial):
+            self.clear_foreign(experiment, trial)
+        return gone
+
+    def clear_foreign(self, experiment: str, trial: str) -> int:
+        """Remove the keys other programs wrote under the trial, in this user's own tree:
+        AReaL's trainer writes `update_weights_from_disk/<version>` (and its workers' keys)
+        there through its name_resolve, and its own launcher clears the trial before a run
+        (areal/infra/launcher/local.py). Servers (gen_servers) and our metadata stay: their
+        jobs remove them. Returns how many keys went; a key the reader does not trust (not
+        this user's) is left."""
+        base = self._trial_key(experiment, trial)
+        gone = 0
+        for key, value in self._read_prefix(base).items():
+            parts = key.split("/")
+            if isinstance(value, Skip) or len(parts) < 4 or parts[3] in (SERVERS_KEY, OWN_KEY):
+                continue
+            gone += self._delete(key)
         return gone
 
     def list(

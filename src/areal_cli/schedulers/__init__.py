@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from areal_cli.errors import UsageError
+from areal_cli.errors import ArealError, ArealWarning, UsageError
 
 if TYPE_CHECKING:
     from areal_cli.schedulers.api import Handle, Scheduler
@@ -34,16 +35,32 @@ DEFAULT = "local"
 RECORDS = {"local": "jobs", "slurm": "slurm", "ray": "ray"}
 
 
+# name -> the AREAL_SCHEDULERS entry that put it in NAMES, so an entry that does not load
+# is named as the user wrote it.
+_ENTRIES: dict[str, str] = {}
+
+
 def _plugins() -> None:
     for item in filter(None, (x.strip() for x in os.environ.get(PLUGINS_ENV, "").split(","))):
         name, sep, target = item.partition("=")
-        if not sep or ":" not in target or not name.strip():
+        name, target = name.strip(), target.strip()
+        module, _, cls = target.partition(":")
+        if not sep or not name or not module.strip() or not cls.strip():
             raise UsageError(
                 f"{PLUGINS_ENV}: {item!r} is not NAME=MODULE:CLASS",
                 hint=f"e.g. {PLUGINS_ENV}=k8s=mypkg.k8s_scheduler:K8sScheduler",
             )
-        NAMES[name.strip()] = target.strip()
-        RECORDS.setdefault(name.strip(), name.strip())
+        if name in NAMES and name not in _ENTRIES and NAMES[name] != target:
+            # Legitimate (a site's own local scheduler), but a job that behaves unlike the
+            # built-in one must not leave the user guessing why.
+            warnings.warn(
+                f"{PLUGINS_ENV}: {item!r} replaces the built-in {name!r} scheduler ({NAMES[name]})",
+                ArealWarning,
+                stacklevel=2,
+            )
+        NAMES[name] = target
+        _ENTRIES[name] = item
+        RECORDS.setdefault(name, name)
 
 
 _plugins()
@@ -62,13 +79,24 @@ def scheduler_class(name: str) -> type[Scheduler]:
     if name not in NAMES:
         pick(name)  # the message naming the schedulers there are
     module, _, cls = NAMES[name].partition(":")
+    where = f"{PLUGINS_ENV} entry {_ENTRIES[name]!r}" if name in _ENTRIES else f"scheduler {name!r}"
     try:
-        return getattr(importlib.import_module(module), cls)
-    except (ImportError, AttributeError) as e:
+        found = getattr(importlib.import_module(module), cls)
+    except ArealError:
+        raise
+    except Exception as e:  # a plug-in's module may raise anything while it imports
         raise UsageError(
-            f"scheduler {name!r}: cannot load {NAMES[name]} ({type(e).__name__}: {e})",
+            f"{where}: cannot load {NAMES[name]} ({type(e).__name__}: {e})",
             hint=f"check {PLUGINS_ENV} and that the module is importable here",
         ) from None
+    from areal_cli.schedulers.api import Scheduler
+
+    if not (isinstance(found, type) and issubclass(found, Scheduler)):
+        raise UsageError(
+            f"{where}: {NAMES[name]} is not a scheduler class",
+            hint=f"{PLUGINS_ENV} names a subclass of areal_cli.schedulers.api.Scheduler",
+        )
+    return found
 
 
 def get(name: str | None = None, **options) -> Scheduler:

@@ -95,6 +95,8 @@ class ServerStatus:
     node: str | None = None
     paused: bool = False
     exit_code: int | None = None
+    # Requests answered with errors in the last minute, and the last one (request_errors).
+    errors: dict | None = None
 
 
 @dataclass

@@ -251,7 +251,8 @@ def _registered(rec) -> tuple[list, list, dict[str, bool], dict[str, bool | None
 def server_row(e, health: dict, paused: dict) -> ServerStatus:
     """A registered server's row in `areal ps`."""
     return ServerStatus(addr=e.addr, healthy=bool(health.get(e.addr)), pid=e.pid, gpus=e.gpus,
-                        node=e.node, paused=paused.get(e.addr) is True)  # fmt: skip
+                        node=e.node, paused=paused.get(e.addr) is True,
+                        errors=e.errors)  # fmt: skip
 
 
 def ended_rows(ended: dict[int, tuple[int, str | None]]) -> list[ServerStatus]:
@@ -265,8 +266,9 @@ def ended_rows(ended: dict[int, tuple[int, str | None]]) -> list[ServerStatus]:
 
 def private_file(path: Path, text: str) -> None:
     """A file only its owner reads (the plan holds the API key), created afresh."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
+    from areal_cli import files
+
+    with os.fdopen(files.create_new(path), "w") as f:
         f.write(text)
 
 
@@ -284,10 +286,11 @@ class SlotLock:
     def __enter__(self):
         import fcntl
 
+        from areal_cli import files
         from areal_cli.schedulers.job_records import slot
 
         settings.ensure_dir(self.path.parent)
-        self.f = open(self.path, "a+")  # noqa: SIM115 - the lock lives as long as the file
+        self.f = files.open_lock(self.path)  # the lock lives as long as the file
         try:
             fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -103,6 +103,10 @@ def worker_env(
         env["NCCL_NVLS_ENABLE"] = "0"
     if key:
         env["AREAL_API_KEY"] = key
+    if t.areal_overrides:
+        from areal_cli.areal_entry import SPMD_ENV
+
+        env.update(SPMD_ENV)
     # torch's flight recorder on (the doctor joins it with the stacks). torch 2.13 reads
     # TORCH_FR_BUFFER_SIZE first and warns on every rank that the older name is deprecated, so
     # only the new name is set; the user's own setting of either, 0 included, wins, and a
@@ -129,24 +133,16 @@ def script_args(spec: JobSpec, backend: str, n_servers: int, registry) -> list[s
 
 
 def areal_overrides(spec: JobSpec, backend: str, n_servers: int, registry) -> list[str]:
-    """`key=value` overrides for an AReaL entry point (its --config + overrides CLI).
+    """AReaL's config overrides (areal_entry.overrides) that point its trainer at the
+    servers found and at our registry, where its name_resolve finds them under the same
+    experiment/trial, in the form the trainer's AReaL version understands."""
+    from areal_cli import areal_entry
 
-    AReaL picks its rollout engine from the generation part of `allocation_mode`; a
-    training-only mode ("fsdp:d2") fails with "Invalid backend: None". We give it the
-    backend of the servers we found, and point its name_resolve at our registry, where
-    it finds them under the same experiment/trial.
-    """
-    train = spec.trainer.alloc if spec.trainer else ""
-    train_part = train.split("+")[-1]
-    gen = f"{backend}:d{max(1, n_servers)}"
-    return [
-        f"allocation_mode={gen}+{train_part}",
-        f"experiment_name={spec.experiment}",
-        f"trial_name={spec.trial}",
-        f"rollout.experiment_name={spec.experiment}",
-        f"rollout.trial_name={spec.trial}",
-        *registry.areal_name_resolve(),
-    ]
+    t = spec.trainer
+    return areal_entry.overrides(
+        t.areal_version, backend, n_servers, t.alloc if t else "", spec.experiment, spec.trial,
+        registry.areal_name_resolve(),
+    )  # fmt: skip
 
 
 # -- failures, root cause first ------------------------------------------------------------

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Generic, TypeVar
 
 from areal_cli import files, settings
-from areal_cli.errors import UsageError
+from areal_cli.errors import ArealWarning, UsageError
 from areal_cli.schedulers.api import LIVE
 
 
@@ -20,7 +21,7 @@ def write_record(path: Path, text: str, reserve: bool | None = None) -> None:
     """A job record written whole (files.write_atomic; `reserve` as there); a full disk or a
     home that cannot be written is one message."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        files.private_dir(path.parent)  # 0700 whatever the umask, and no one else's
         files.write_atomic(path, text, reserve=reserve)
     except OSError as e:
         if files.is_full(e):
@@ -29,6 +30,28 @@ def write_record(path: Path, text: str, reserve: bool | None = None) -> None:
             f"cannot write the job record {path}: {e.strerror or e}",
             hint="pick a writable --home (or AREAL_HOME)",
         ) from None
+
+
+def skip_foreign(e: files.UnsafePath) -> None:
+    """A record another user could have written (theirs, writable by them, a symlink) names
+    processes that are not to be acted on: one warning line, and the record is skipped."""
+    warnings.warn(
+        ArealWarning(f"skipped the job record {e.message}: another user could have written it"),
+        stacklevel=3,
+    )
+
+
+def read_json(path: Path) -> dict | None:
+    """A record's JSON, when it is this user's alone (files.read_owned); None when there is
+    none; a foreign one is skipped with a warning (skip_foreign). Raises ValueError when it
+    is not JSON."""
+    try:
+        return json.loads(files.read_owned(path))
+    except FileNotFoundError:
+        return None
+    except files.UnsafePath as e:
+        skip_foreign(e)
+        return None
 
 
 def slot(kind: str) -> str:
@@ -96,7 +119,8 @@ class JobRecords(Generic[R]):
 
     def read(self, p: Path) -> R | None:
         try:
-            return self.record(**json.loads(p.read_text()))
+            d = read_json(p)
+            return None if d is None else self.record(**d)
         except (OSError, ValueError, TypeError):
             return None
 

@@ -36,6 +36,7 @@ owner (`WeightOwner`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
@@ -49,7 +50,7 @@ from aiohttp import web
 from areal_cli.server import protocol
 from areal_cli.server.batcher import Batcher
 from areal_cli.server.engine import Engine, GenRequest, GenResult
-from areal_cli.server.protocol import BodyError, ContractError, RequestError, field_of
+from areal_cli.server.protocol import BodyError, ContractError, RequestError, parse_body
 from areal_cli.server.weight_update import (
     OWNER_HEADER,
     OWNER_NAME_HEADER,
@@ -63,6 +64,10 @@ log = logging.getLogger("areal.server")
 UNAUTHENTICATED_PREFIXES = ("/health", "/ready", "/metrics")
 # Answered with an empty 503 while the model loads (http_server.py:714-735).
 PROBES = frozenset({"/health", "/health_generate", "/ready", "/ping"})
+# Not counted as answered requests: probes, and what the runner and `areal ps` read (the
+# runner reads /server_info every renewal; it must not hide a trainer refused every time).
+UNCOUNTED = PROBES | {"/server_info", "/get_server_info", "/model_info", "/get_model_info",
+                      "/v1/models"}  # fmt: skip
 # What a trainer sends around a weight sync: each one renews a pause's lease, and a pause
 # never ends by itself while one of them runs.
 CONTROL_PATHS = frozenset(
@@ -147,9 +152,76 @@ class ServerState:
     owner: WeightOwner = field(default_factory=WeightOwner)
     # Tells a restarted server at the same address from the one a trainer synced before.
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    request_errors: RequestErrors = field(default_factory=lambda: RequestErrors())
 
 
 STATE = web.AppKey("state", ServerState)
+
+# How far back `areal ps` and the watchdog look at a server's answers.
+ERROR_WINDOW_S = 60.0
+ERROR_TEXT_MAX = 300
+
+
+class RequestErrors:
+    """Requests answered with an error (4xx/5xx), the last minute of them, and the last one's
+    text: a trainer that retries a refused request forever looks busy, and only the server
+    can tell it is refused. UNCOUNTED routes are left out (a paused server answers /health
+    503, and reading the counters is no request of a trainer's)."""
+
+    def __init__(self, window_s: float = ERROR_WINDOW_S):
+        self.window_s = window_s
+        self.total = 0
+        self.ok: collections.deque[float] = collections.deque()
+        self.errors: collections.deque[float] = collections.deque()
+        self.last: dict[str, Any] | None = None
+        self.streak = 0  # errors since the last answer below 400
+        self.streak_from = 0.0
+
+    def record(self, method: str, path: str, status: int, text: str) -> None:
+        now = time.monotonic()
+        if status < 400:
+            self.ok.append(now)
+            self.streak = 0
+        else:
+            self.total += 1
+            self.errors.append(now)
+            if not self.streak:
+                self.streak_from = now
+            self.streak += 1
+            self.last = {"at": time.time(), "route": f"{method} {path}", "status": status,
+                         "message": text[:ERROR_TEXT_MAX]}  # fmt: skip
+        self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        for q in (self.ok, self.errors):
+            while q and q[0] < now - self.window_s:
+                q.popleft()
+
+    def to_json(self) -> dict[str, Any]:
+        now = time.monotonic()
+        self._prune(now)
+        return {"window_s": self.window_s, "errors": len(self.errors), "answered": len(self.ok),
+                "total": self.total, "streak": self.streak,
+                "streak_s": round(now - self.streak_from, 1) if self.streak else 0.0,
+                "last": self.last}  # fmt: skip
+
+
+def _error_text(resp: web.StreamResponse) -> str:
+    """The message of an error reply, in any of SGLang's three error shapes, else its text."""
+    body = getattr(resp, "body", None)
+    raw = body if isinstance(body, bytes) else b""
+    try:
+        got = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return raw.decode(errors="replace").strip() or (resp.reason or "")
+    if isinstance(got, dict):
+        for key in ("message", "error"):
+            v = got.get(key)
+            if isinstance(v, dict):
+                v = v.get("message")
+            if isinstance(v, str) and v:
+                return v
+    return json.dumps(got)
 
 
 def build_app(state: ServerState) -> web.Application:
@@ -160,7 +232,8 @@ def build_app(state: ServerState) -> web.Application:
     if state.lease is None:
         state.lease = PauseLease(state.batcher, state.pause_timeout)
     app = web.Application(
-        middlewares=[_errors, _auth, _readiness, _owner, _lease], client_max_size=64 << 20
+        middlewares=[_counted, _errors, _auth, _readiness, _owner, _lease],
+        client_max_size=64 << 20,
     )
     app[STATE] = state
     r = app.router
@@ -199,6 +272,23 @@ def _openai_error(status: int, message: str, kind: str) -> web.Response:
     return web.json_response(
         {"error": {"message": message, "type": kind, "code": status}}, status=status
     )
+
+
+@web.middleware
+async def _counted(request: web.Request, handler: Any) -> web.StreamResponse:
+    if request.path in UNCOUNTED:
+        return await handler(request)
+    errors = request.app[STATE].request_errors
+    try:
+        resp = await handler(request)
+    except web.HTTPException as e:  # an unknown route, a method not allowed
+        errors.record(request.method, request.path, e.status, e.text or e.reason)
+        raise
+    except asyncio.CancelledError:  # the client went away: no answer to count
+        raise
+    errors.record(request.method, request.path, resp.status,
+                  _error_text(resp) if resp.status >= 400 else "")  # fmt: skip
+    return resp
 
 
 @web.middleware
@@ -383,6 +473,8 @@ async def server_info(request: web.Request) -> web.Response:
             "weight_owner": st.owner.describe(),
             "instance_id": st.instance_id,
             "frontend": "hf",
+            # Beyond SGLang: what `areal ps` and the watchdog show of refused requests.
+            "request_errors": st.request_errors.to_json(),
         }
     )
 
@@ -460,10 +552,7 @@ def _sglang_output(req: GenRequest, res: GenResult, logprob: bool, latency: floa
 
 
 async def pause_generation(request: web.Request) -> web.Response:
-    body = await _json(request)
-    mode = field_of(body, "mode", "str", "abort")
-    if mode not in protocol.PAUSE_MODES:
-        raise BodyError("Input should be 'abort', 'retract' or 'in_place': mode")
+    mode = parse_body(protocol.PauseGenerationReq, await _json(request)).mode
     st = request.app[STATE]
     await st.batcher.pause(mode)
     st.lease.paused()
@@ -503,13 +592,12 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 async def abort_request(request: web.Request) -> web.Response:
     """http_server.py:1721-1731: AbortReq {rid, abort_all}; an empty 200."""
-    body = await _json(request)
-    rid = field_of(body, "rid", "str", None) or ""
+    req = parse_body(protocol.AbortReq, await _json(request))
     batcher = request.app[STATE].batcher
-    if field_of(body, "abort_all", "bool", False):
+    if req.abort_all:
         await batcher.abort_all()
-    elif rid:
-        await batcher.abort(rid)
+    elif req.rid:
+        await batcher.abort(req.rid)
     return web.Response(status=200)
 
 
@@ -519,12 +607,9 @@ async def abort_request(request: web.Request) -> web.Response:
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     """http_server.py:1300-1326 with UpdateWeightFromDiskReqInput (io_struct.py:1970-1993)."""
     st = request.app[STATE]
-    body = await _json(request)
-    path = field_of(body, "model_path", "str")
-    version = field_of(body, "weight_version", "str", None)
-    flush = field_of(body, "flush_cache", "bool", True)
-    abort_all = field_of(body, "abort_all_requests", "bool", False)
-    if abort_all:
+    req = parse_body(protocol.UpdateWeightFromDiskReq, await _json(request))
+    path, version, flush = req.model_path, req.weight_version, req.flush_cache
+    if req.abort_all_requests:
         await st.batcher.abort_all()
     started = time.perf_counter()
     try:
@@ -551,9 +636,9 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
 async def update_weight_version(request: web.Request) -> web.Response:
     """http_server.py:1527-1556 with UpdateWeightVersionReqInput (io_struct.py:2155-2159)."""
     st = request.app[STATE]
-    body = await _json(request)
-    version = field_of(body, "new_version", "str")
-    if field_of(body, "abort_all_requests", "bool", True):
+    req = parse_body(protocol.UpdateWeightVersionReq, await _json(request))
+    version = req.new_version
+    if req.abort_all_requests:
         await st.batcher.abort_all()
     st.batcher.weight_version = version
     return web.json_response(
@@ -563,28 +648,25 @@ async def update_weight_version(request: web.Request) -> web.Response:
 
 async def init_weights_update_group(request: web.Request) -> web.Response:
     """http_server.py:1404-1418 with InitWeightsUpdateGroupReqInput (io_struct.py:2126-2138)."""
-    body = await _json(request)
+    req = parse_body(protocol.InitWeightsUpdateGroupReq, await _json(request))
     ok, message = await request.app[STATE].updates.init_group(
-        master_address=field_of(body, "master_address", "str"),
-        master_port=field_of(body, "master_port", "int"),
-        rank_offset=field_of(body, "rank_offset", "int"),
-        world_size=field_of(body, "world_size", "int"),
-        group_name=field_of(body, "group_name", "str", "weight_update_group"),
-        backend=field_of(body, "backend", "str", "nccl"),
+        master_address=req.master_address,
+        master_port=req.master_port,
+        rank_offset=req.rank_offset,
+        world_size=req.world_size,
+        group_name=req.group_name,
+        backend=req.backend,
     )
     return _result(ok, message)
 
 
 async def destroy_weights_update_group(request: web.Request) -> web.Response:
-    body = await _json(request)
-    name = field_of(body, "group_name", "str", "weight_update_group")
-    return _result(*await request.app[STATE].updates.destroy_group(name))
+    req = parse_body(protocol.DestroyWeightsUpdateGroupReq, await _json(request))
+    return _result(*await request.app[STATE].updates.destroy_group(req.group_name))
 
 
 async def begin_weight_update(request: web.Request) -> web.Response:
-    body = await _json(request)
-    if field_of(body, "selector", "str", "all") not in ("target", "draft", "all"):
-        raise BodyError("Input should be 'target', 'draft' or 'all': selector")
+    parse_body(protocol.BeginWeightUpdateReq, await _json(request))
     return _result(*request.app[STATE].updates.begin())
 
 
@@ -598,16 +680,32 @@ async def end_weight_update(request: web.Request) -> web.Response:
 
 
 async def update_weights_from_distributed(request: web.Request) -> web.Response:
-    """http_server.py:1488-1504 with UpdateWeightsFromDistributedReqInput (io_struct.py:2002-2019)."""
-    body = await _json(request)
-    ok, message = await request.app[STATE].updates.update(
-        names=field_of(body, "names", "list"),
-        dtypes=field_of(body, "dtypes", "list"),
-        shapes=field_of(body, "shapes", "list"),
-        group_name=field_of(body, "group_name", "str", "weight_update_group"),
-        weight_version=field_of(body, "weight_version", "str", None),
-        load_format=field_of(body, "load_format", "str", None),
+    """http_server.py:1488-1504 with UpdateWeightsFromDistributedReqInput (io_struct.py:2002-2019).
+
+    Both protocols: 0.5.23 wants the update inside /begin_weight_update ..
+    /end_weight_update; 0.5.10.post1 (the SGLang AReaL pins) has no session and loads each
+    request at once (srt/managers/scheduler_update_weights_mixin.py:73-85), which is what
+    AReaL's trainer sends. A request outside a session is therefore a session of its own:
+    installed when it succeeds, nothing when it fails."""
+    st = request.app[STATE]
+    req = parse_body(protocol.UpdateWeightsFromDistributedReq, await _json(request))
+    if req.abort_all_requests:  # tokenizer_manager: abort before the update, in both versions
+        await st.batcher.abort_all()
+    alone = st.updates.session is None
+    if alone:
+        st.updates.begin()
+    ok, message = await st.updates.update(
+        names=req.names,
+        dtypes=req.dtypes,
+        shapes=req.shapes,
+        group_name=req.group_name,
+        weight_version=req.weight_version,
+        load_format=req.load_format,
     )
+    if alone:
+        ended, _ = await st.updates.end()
+        if ok and ended:
+            st.weight_updates += 1
     return _result(ok, message)
 
 

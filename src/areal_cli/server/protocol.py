@@ -1,5 +1,6 @@
 """SGLang 0.5.23's HTTP contract, as the hf server enforces it: request decoding, validation
-texts and the error and reply shapes.
+texts and the error and reply shapes. Where the SGLang that AReaL pins (0.5.10.post1) accepts
+more, the server accepts it too: a distributed update outside a session (app.py).
 
 Sources (sglang 0.5.23 wheel):
     api/v1/api_types.py              the /generate JSON contract: unknown sampling keys
@@ -19,7 +20,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypeVar
+
+T = TypeVar("T")
 
 # api/v1/api_types.py:1256, in this order: it is part of the error text.
 SAMPLING_FIELDS = (
@@ -55,9 +58,15 @@ _UNSUPPORTED_SAMPLING = {
 }
 # Top-level /generate fields SGLang knows that the hf server does not implement.
 _UNSUPPORTED_GENERATE = (
-    "image_data", "video_data", "audio_data", "lora_path", "session_params", "kv_hints",
-    "token_ids_logprob", "custom_logit_processor", "bootstrap_host", "input_embeds",
+    "lora_path", "session_params", "kv_hints", "token_ids_logprob", "custom_logit_processor",
+    "bootstrap_host", "input_embeds",
 )  # fmt: skip
+# The media inputs of GenerateReqInput (srt/managers/io_struct.py:200-204, MediaInput in
+# api/v1/api_types.py:883-899). SGLang serves a request whose media hold no item (null, [],
+# [null], [[null]]) as text only (contains_mm_input -> has_valid_data,
+# srt/multimodal/mm_utils.py:53-58; the same in 0.5.10.post1): AReaL's trainer sends
+# "image_data": [] with every /generate. Only a real item is refused here.
+MEDIA_FIELDS = ("image_data", "video_data", "audio_data")
 
 
 class ContractError(ValueError):
@@ -233,9 +242,45 @@ def decode_generate(body: Any) -> GenerateBody:
             setattr(g, key, _int_or_list(x))
         elif key == "return_text_in_logprobs":
             g.return_text_in_logprobs = _bool(x)
+        elif key in MEDIA_FIELDS:
+            if has_media(_media_input(x)):
+                g.unsupported.append(key)
         elif key in _UNSUPPORTED_GENERATE:
             g.unsupported.append(key)
     return g
+
+
+def _media_item(v: Any) -> Any:
+    # api_types.py:1986-1991: a string (path, URL, base64) or a {"url": ...}-style map.
+    if isinstance(v, (str, dict)):
+        return v
+    raise _invalid(v, "one of the MediaItem shapes")
+
+
+def _media_items(v: Any) -> list:
+    return [None if e is None else _media_item(e) for e in _seq(v)]
+
+
+def _media_input(v: Any) -> Any:
+    """api_types.py:2034-2043: one item, a list of items or a list of lists (the first
+    element's shape picks the arm); nulls stand for "no item"."""
+    if isinstance(v, list):
+        if v and isinstance(v[0], list):
+            return [None if e is None else _media_items(e) for e in v]
+        return _media_items(v)
+    if isinstance(v, (str, dict)):
+        return v
+    raise _invalid(v, "one of the MediaInput shapes")
+
+
+def has_media(v: Any) -> bool:
+    """SGLang's has_valid_data (srt/multimodal/mm_utils.py:53-58): any item that is not null,
+    at any depth."""
+    if v is None:
+        return False
+    if isinstance(v, list):
+        return any(has_media(e) for e in v)
+    return True
 
 
 # -- SGLang's SamplingParams semantics (srt/sampling/sampling_params.py:140-330) ---------------
@@ -335,33 +380,98 @@ FLUSH_AFTER_UPDATE_FAILED = (
     "Weights were updated, but the cache was not flushed because requests are still running "
     "or queued. Retract or finish them, then call /flush_cache."
 )
-PAUSE_MODES = ("abort", "retract", "in_place")  # io_struct.py:1927-1946
 
 
-# -- control request bodies (io_struct.py; pydantic lax types, unknown keys ignored) ------------
+# -- control request bodies ------------------------------------------------------------------
+#
+# SGLang validates these with pydantic in lax mode, through FastAPI: in 0.5.10.post1 the
+# request structs are dataclasses (srt/managers/io_struct.py, BaseReq :50-52), in 0.5.23
+# msgspec structs whose pydantic schema is built from the same field types
+# (srt/utils/msgspec_utils.py:70-118, BaseReq io_struct.py:86-94; unknown keys ignored).
+# The same field types validated by pydantic here give the same coercions: a port sent as
+# "29500" (AReaL sends str(port)) is the int 29500, a version sent as 8 is refused.
 
 
 class BodyError(ValueError):
     """A control body that FastAPI's validation refuses: 400 ErrorResponse."""
 
 
-_MISSING = object()
+Selector = Literal["target", "draft", "all"]
 
 
-def field_of(body: dict[str, Any], name: str, kind: str, default: Any = _MISSING) -> Any:
-    """One field of a control request: `kind` is int | float | str | bool | list."""
-    if name not in body or (body[name] is None and default is not _MISSING and default is None):
-        if default is _MISSING:
-            raise BodyError(f"Field required: {name}")
-        return default
-    v = body[name]
-    ok = {
-        "int": _is_int(v),
-        "float": isinstance(v, (int, float)) and not isinstance(v, bool),
-        "str": isinstance(v, str),
-        "bool": isinstance(v, bool),
-        "list": isinstance(v, list),
-    }[kind]
-    if not ok:
-        raise BodyError(f"Input should be a valid {kind}: {name}")
-    return v
+@dataclass(kw_only=True)
+class PauseGenerationReq:  # io_struct.py:1927-1946
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+@dataclass(kw_only=True)
+class AbortReq:  # io_struct.py:2285-2296 (rid from BaseReq; None means "")
+    rid: str | None = None
+    abort_all: bool = False
+
+
+@dataclass(kw_only=True)
+class UpdateWeightFromDiskReq:  # io_struct.py:1970-1993
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+
+
+@dataclass(kw_only=True)
+class UpdateWeightVersionReq:  # io_struct.py:2155-2159
+    new_version: str
+    abort_all_requests: bool = True
+
+
+@dataclass(kw_only=True)
+class InitWeightsUpdateGroupReq:  # io_struct.py:2126-2138; 0.5.10.post1 :1377-1389
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+@dataclass(kw_only=True)
+class DestroyWeightsUpdateGroupReq:  # io_struct.py:2146-2147
+    group_name: str = "weight_update_group"
+
+
+@dataclass(kw_only=True)
+class BeginWeightUpdateReq:  # io_struct.py:2197-2200
+    selector: Selector = "all"
+
+
+@dataclass(kw_only=True)
+class UpdateWeightsFromDistributedReq:  # io_struct.py:2002-2019; 0.5.10.post1 :1258-1271
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    selector: Selector = "all"
+
+
+_ADAPTERS: dict[type, Any] = {}
+
+
+def parse_body(cls: type[T], body: dict[str, Any]) -> T:
+    """`body` validated as SGLang validates its request struct, or BodyError naming each
+    refused field as pydantic does."""
+    from pydantic import TypeAdapter, ValidationError
+
+    adapter = _ADAPTERS.get(cls)
+    if adapter is None:
+        adapter = _ADAPTERS[cls] = TypeAdapter(cls)
+    try:
+        return adapter.validate_python(body)
+    except ValidationError as e:
+        raise BodyError(
+            "; ".join(f"{err['msg']}: {'.'.join(map(str, err['loc']))}" for err in e.errors())
+        ) from None

@@ -4,7 +4,9 @@
                                           one TP rank); the rendezvous runs off the event loop
     POST /begin_weight_update             open the session 0.5.23 requires
     POST /update_weights_from_distributed receive one broadcast (per tensor, or one
-                                          `flattened_bucket`) and check it against the model
+                                          `flattened_bucket`) and check it against the model;
+                                          outside a session (0.5.10.post1's protocol, which
+                                          AReaL's trainer speaks) it is a session of its own
     POST /end_weight_update               install what the session received, in one swap
     POST /destroy_weights_update_group
 

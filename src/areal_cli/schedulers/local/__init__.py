@@ -184,12 +184,14 @@ class LocalScheduler(Scheduler):
         out = []
         ranks = _live_ranks([rec for rec, state in rows if state in records.LIVE],
                             self._unanswered)  # fmt: skip
+        errors = _server_errors([rec for rec, state in rows if state in records.LIVE],
+                                self._unanswered)  # fmt: skip
         for rec, state in rows:
             servers = [
                 ServerStatus(
                     addr=p.addr, healthy=bool(health.get(p.addr)), pid=p.server_pid or p.pid,
                     gpus=p.gpus, node=rec.host, exit_code=p.exit_code,
-                    paused=paused.get(p.addr, False),
+                    paused=paused.get(p.addr, False), errors=errors.get(p.addr),
                 )
                 for p in rec.processes
                 if p.role == "server" and p.addr
@@ -353,6 +355,27 @@ def _paused_servers(rows: list, here: str) -> dict[str, bool]:
     with ThreadPoolExecutor(max_workers=min(32, len(asks))) as ex:
         got = ex.map(lambda a: control.paused(a[0], a[1], a[2], timeout=1.0), asks)
         return {a[0]: flag is True for a, flag in zip(asks, got, strict=True)}
+
+
+def _server_errors(recs: list, unanswered: dict[str, str]) -> dict[str, dict]:
+    """addr → the requests it answered with errors lately, as its runner put them in the
+    registry (areal_cli.request_errors); only the job's own entries (its marker)."""
+    from areal_cli.errors import ArealError, WaitTimeout
+    from areal_cli.registry import open_registry
+
+    out: dict[str, dict] = {}
+    for rec in recs:
+        if rec.registry in unanswered or not any(p.role == "server" for p in rec.processes):
+            continue
+        try:
+            entries = open_registry(rec.registry).list(rec.experiment, rec.trial).servers
+        except WaitTimeout as e:
+            unanswered[rec.registry] = e.message
+            continue
+        except (ArealError, OSError):
+            continue
+        out.update({e.addr: e.errors for e in entries if e.marker == rec.marker and e.errors})
+    return out
 
 
 def _live_ranks(

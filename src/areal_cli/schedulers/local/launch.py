@@ -55,6 +55,8 @@ def wait_detached(
         if rec and rec.marker == plan.marker:
             if rec.state == "running":
                 return rec
+            if rec.state == "stopped" and rec.exit_code == 0 and plan.trainers:
+                return rec  # a training job so short it was done before we looked
             if rec.state in ("failed", "killed", "stopped"):
                 cls = WaitTimeout if rec.exit_code == EXIT_TIMEOUT else LaunchError
                 raise cls(

@@ -118,6 +118,11 @@ def _plan_servers(p, role: ServerRole, inventory, free, held, log_dir, check_pac
     ports = _ports(role, role.replicas, busy_ports)
     # Without GPUs, an engine's CPU build runs: each replica on cores of its own.
     cores = backends.cpu_slices(role.replicas) if not on_gpu and backend.needs_gpu else None
+    if cores:
+        p.notes.append(
+            f"no GPU here ({_source(inventory)}): planned {role.backend}'s CPU build; "
+            "--gpus 0,1,... plans for GPUs"
+        )
     for i in range(role.replicas):
         slice_ = free[i * role.gpus_per_replica : (i + 1) * role.gpus_per_replica] if on_gpu else []
         cpus = cores[i] if cores else []

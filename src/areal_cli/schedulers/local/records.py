@@ -117,9 +117,10 @@ def write(home: Path, record: JobRecord) -> Path:
 
 
 def load_all(home: Path, experiment: str, trial: str) -> list[JobRecord]:
-    """The records of one experiment/trial (serve and/or train), live ones first."""
+    """The records of one experiment/trial (serve and/or train), live ones first; one that
+    another user could have written is skipped with a warning."""
     d = jobs_root(home) / experiment / trial
-    recs = [read(d / f"{k}.json") for k in ("serve", "train") if (d / f"{k}.json").exists()]
+    recs = [r for k in ("serve", "train") if (r := read_mine(d / f"{k}.json"))]
     recs.sort(key=lambda r: (not (r.alive() and r.state in LIVE), r.kind != "train", -r.started))
     return recs
 
@@ -128,8 +129,7 @@ def load(home: Path, experiment: str, trial: str, kind: str | None = None) -> Jo
     """One record of E/T: of `kind` if given, else the live training job, else the live
     serving job, else the newest."""
     if kind is not None:
-        path = record_path(home, experiment, trial, kind)
-        recs = [read(path)] if path.exists() else []
+        recs = [r] if (r := read_mine(record_path(home, experiment, trial, kind))) else []
     else:
         recs = load_all(home, experiment, trial)
     if not recs:
@@ -143,8 +143,14 @@ def load(home: Path, experiment: str, trial: str, kind: str | None = None) -> Jo
 
 
 def read(path: Path) -> JobRecord:
+    """The record at `path`; files.UnsafePath (exit 2) when it is not this user's alone: its
+    pids are never acted on."""
+    from areal_cli import files
+
     try:
-        return JobRecord.from_json(json.loads(path.read_text()))
+        return JobRecord.from_json(json.loads(files.read_owned(path)))
+    except files.UnsafePath:
+        raise
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise UsageError(
             f"job record {path} is corrupt or half-written ({type(e).__name__})",
@@ -152,17 +158,39 @@ def read(path: Path) -> JobRecord:
         ) from None
 
 
+def read_mine(path: Path) -> JobRecord | None:
+    """The record at `path`, or None when there is none or another user could have written
+    it (skipped with a warning: job_records.skip_foreign)."""
+    from areal_cli import files
+    from areal_cli.schedulers.job_records import skip_foreign
+
+    try:
+        return read(path)
+    except files.UnsafePath as e:
+        if os.path.lexists(path):
+            skip_foreign(e)
+        return None
+    except UsageError:
+        if not os.path.lexists(path):
+            return None  # gone between the look and the read
+        raise
+
+
 def list_all(home: Path) -> tuple[list[JobRecord], list[str]]:
-    """Every job record of this user, newest first, and the paths of unreadable ones."""
+    """Every job record of this user, newest first, and the paths of unreadable ones; one
+    that another user could have written is skipped with a warning."""
     records, bad = [], []
     root = jobs_root(home)
     if not root.is_dir():
         return [], []
     for path in [*root.glob("*/*/serve.json"), *root.glob("*/*/train.json")]:
         try:
-            records.append(read(path))
+            rec = read_mine(path)
         except UsageError:
             bad.append(str(path))
+            continue
+        if rec is not None:
+            records.append(rec)
     records.sort(key=lambda r: r.started, reverse=True)
     return records, bad
 
@@ -173,11 +201,12 @@ def lock_slot(home: Path, experiment: str, trial: str, kind: str):
     once, with the holder named."""
     import fcntl
 
-    path = record_path(home, experiment, trial, kind).with_suffix(".lock")
+    from areal_cli import files
     from areal_cli.settings import ensure_dir
 
+    path = record_path(home, experiment, trial, kind).with_suffix(".lock")
     ensure_dir(path.parent)
-    f = open(path, "a+")  # noqa: SIM115 - held open as the lock; never truncated unlocked
+    f = files.open_lock(path)  # held open as the lock; never truncated unlocked
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -224,8 +253,9 @@ class Claim:
             raise
         job_dir = record_path(home, plan.experiment, plan.trial, plan.kind).parent
         plan_file = job_dir / f".{slot(plan.kind)}-{plan.marker}.plan.json"
-        fd = os.open(plan_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
+        from areal_cli import files
+
+        with os.fdopen(files.create_new(plan_file), "w") as f:
             json.dump(plan.to_json(redact=False), f)
         return cls(locks, plan_file)
 

@@ -185,7 +185,7 @@ class Supervisor:
         return self._watch()
 
     def _spawn(self, p: ProcessPlan) -> None:
-        Path(p.log_path).parent.mkdir(parents=True, exist_ok=True)
+        settings.ensure_dir(Path(p.log_path).parent)
         env = {**os.environ, procs.MARKER_ENV: self.plan.marker}
         if p.role == "server":
             argv = [sys.executable, "-m", "areal_cli.launchers.replica"]
@@ -327,7 +327,10 @@ class Supervisor:
             raise LaunchError(
                 f"watchdog: {s.headline()}",
                 detail=f"no rank progressed for {self.plan.watchdog:g}s",
-                hint=f"the stacks, flight recorder dumps and last log lines: {s.bundle}",
+                hint=f"the stacks, flight recorder dumps and last log lines: {s.bundle}"
+                + (f" (incomplete: {s.bundle_error})" if s.bundle_error else "")
+                if s.bundle
+                else f"no bundle was kept: {s.bundle_error}",
             )
         return self.stop_code
 
@@ -342,8 +345,24 @@ class Supervisor:
             ranks=lambda: targets.under(roots, f"job {name}", name),
             on_stall=self._on_stall,
             server_pids=self._server_pids,
+            refused=self._refused,
         )
         self._watchdog.start()
+
+    def _refused(self) -> list[str]:
+        """The servers the job uses that refuse their clients (request_errors.refusing): its
+        trial's in the registry, and those of this host's serving jobs at the addresses its
+        trainers were given."""
+        from areal_cli import request_errors
+
+        trials = [(self.plan.experiment, self.plan.trial)]
+        addrs = {a for p in self.plan.trainers for a in
+                 p.env.get("AREAL_LLM_SERVER_ADDRS", "").split(",") if a}  # fmt: skip
+        if addrs:
+            recs, _bad = records.list_all(self.home)
+            trials += [(rec.experiment, rec.trial) for rec in recs
+                       if rec.state == "running" and any(p.addr in addrs for p in rec.processes)]  # fmt: skip
+        return request_errors.refusals(self.plan.registry, trials, addrs or None)
 
     def _server_pids(self) -> list[int]:
         """The servers the job uses: its own, and those of this host's serving jobs at the
@@ -364,7 +383,10 @@ class Supervisor:
 
         line = watchdog.log_line(self.plan.log_dir, stall, self.plan.watchdog)
         self.record.watchdog = stall.to_json()
-        records.write(self.home, self.record)
+        try:
+            records.write(self.home, self.record)
+        except ArealError:
+            pass  # a full disk: the verdict is still said and acted on; the end is recorded
         self.on_event("stall", {**stall.to_json(), "line": line})
         if self.plan.watchdog_action == "fail":
             self._stalled = stall

@@ -93,10 +93,29 @@ class RayScheduler(ClusterScheduler):
     def cancel(self, handle: Handle, timeout: float = 30.0) -> StopResult:
         """Stop every runner, kill the actors, remove the group, end what is left of the job
         on each of its nodes; then no registry entry and no process of it is left."""
-        from areal_cli.schedulers.ray import job
+        from areal_cli.schedulers.ray import cluster, job
 
         rec = self._record(handle)
-        job.refresh([rec], self.home)
+        try:
+            job.refresh([rec], self.home)
+        except cluster.Unreachable as e:
+            # Nothing can be asked of the cluster (its head is gone), but the job's processes
+            # on this host need no Ray to be found: they carry its marker. The record stays
+            # as it is: the nodes elsewhere and the registry wait for a stop that reaches Ray.
+            from areal_cli import procs
+
+            swept = procs.kill_job(rec.marker, grace=3.0) if rec.marker else 0
+            here = (
+                f"{swept} process(es) of {rec.name} on this host ended by its marker"
+                if swept
+                else f"no process of {rec.name} runs on this host"
+            )
+            raise cluster.Unreachable(
+                e.message,
+                hint=(e.hint + "; " if e.hint else "")
+                + f"`areal stop {rec.name}` again once the cluster answers ends the rest",
+                detail="\n".join(filter(None, [e.detail, here])),
+            ) from None
         was_running = rec.state in LIVE
         if was_running:
             job.cancel(rec, self.home, timeout, job.STOPPED_BY_AREAL)

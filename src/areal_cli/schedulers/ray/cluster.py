@@ -50,6 +50,7 @@ def connect(option: str | None = None) -> str:
     """Connect this process to the cluster once (a driver in namespace `areal`)."""
     global _connected
     addr = address(option)
+    _check_token_file()
     with _lock:
         if _connected is not None:
             return _connected
@@ -92,6 +93,28 @@ def connect(option: str | None = None) -> str:
         # sleeps 0.5 s first for a driver's worker logs to print, and areal takes none.
         atexit.register(disconnect)
         return addr
+
+
+def _check_token_file() -> None:
+    """A token file Ray cannot read is refused here: Ray's C++ client aborts the whole process
+    on it during the preflight, while fd 2 points at /dev/null (exit 1, no word said)."""
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if not path or os.environ.get("RAY_AUTH_TOKEN"):
+        return  # Ray reads RAY_AUTH_TOKEN first, the file only without it
+    full = os.path.expanduser(path)
+    why = None
+    if not os.path.exists(full):
+        why = "does not exist"
+    elif not os.path.isfile(full):
+        why = "is not a file"
+    elif not os.access(full, os.R_OK):
+        why = "is not readable by this user"
+    if why:
+        raise UsageError(
+            f"RAY_AUTH_TOKEN_PATH={path}: the token file {why}",
+            hint="point RAY_AUTH_TOKEN_PATH at the file holding the cluster's token (`ray "
+            "get-auth-token` on the head prints it), or unset it",
+        )
 
 
 def disconnect() -> None:

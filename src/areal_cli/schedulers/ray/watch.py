@@ -19,6 +19,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from areal_cli.errors import ArealError
+
 # The run folder's stall files are the same on every cluster scheduler.
 from areal_cli.schedulers.cluster import servers_by_node
 from areal_cli.schedulers.slurm.watch import (
@@ -65,15 +67,24 @@ def start(run_dir: str, stop_trainers: Callable[[], None]):
     def on_stall(stall: watchdog.Stall) -> None:
         watchdog.log_line(plan.log_dir, stall, plan.watchdog)
         state = {**stall.to_json(), "seconds": plan.watchdog, "action": plan.watchdog_action}
-        write_atomic(run / STALL_FILE, json.dumps(state, indent=2))
+        try:
+            write_atomic(run / STALL_FILE, json.dumps(state, indent=2))
+        except (OSError, ArealError):
+            pass  # a full disk: the stall is still acted on (and in the watchdog's line)
         if plan.watchdog_action == "fail":
-            write_atomic(run / FAIL_FILE, stall.headline())
+            try:
+                write_atomic(run / FAIL_FILE, stall.headline())
+            except (OSError, ArealError):
+                pass  # the trainers are stopped all the same
             stop_trainers()
+
+    from areal_cli import request_errors
 
     return watchdog.watch_nodes(
         plan.watchdog, plan.log_dir, job_id=plan.job_id, nodes=nodes, marker=plan.marker,
         reach=reach, label=f"job {plan.experiment}/{plan.trial} (Ray job {plan.job_id})",
         on_stall=on_stall, servers=lambda: servers_by_node(plan),
+        refused=request_errors.of_trial(plan.registry, plan.experiment, plan.trial),
     )  # fmt: skip
 
 

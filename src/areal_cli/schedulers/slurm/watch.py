@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from areal_cli.errors import ArealError
+
 STALL_FILE = "watchdog.json"
 FAIL_FILE = "watchdog.fail"
 
@@ -97,18 +99,26 @@ def main(argv: list[str] | None = None) -> int:
     def on_stall(stall: watchdog.Stall) -> None:
         line = watchdog.log_line(plan.log_dir, stall, plan.watchdog)
         state = {**stall.to_json(), "seconds": plan.watchdog, "action": plan.watchdog_action}
-        write_atomic(run / STALL_FILE, json.dumps(state, indent=2))
+        try:
+            write_atomic(run / STALL_FILE, json.dumps(state, indent=2))
+        except (OSError, ArealError):
+            pass  # a full disk: the stall is still acted on (and in the watchdog's line)
         print(f"areal watchdog: {line}", flush=True)  # the batch script's output
         if plan.watchdog_action == "fail":
-            write_atomic(run / FAIL_FILE, stall.headline())
+            try:
+                write_atomic(run / FAIL_FILE, stall.headline())
+            except (OSError, ArealError):
+                pass  # the trainers are stopped all the same
             _stop_step(trainer)
 
+    from areal_cli import request_errors
     from areal_cli.schedulers.cluster import servers_by_node
 
     dog = watchdog.watch_nodes(
         plan.watchdog, plan.log_dir, job_id=job_id, nodes=nodes, marker=plan.marker,
         reach=sched.run_on_nodes, label=f"job {plan.experiment}/{plan.trial} (Slurm job "
         f"{job_id})", on_stall=on_stall, servers=lambda: servers_by_node(plan), python=plan.runner_python or None,
+        refused=request_errors.of_trial(plan.registry, plan.experiment, plan.trial),
     )  # fmt: skip
     try:
         while os.path.exists(f"/proc/{trainer}"):
