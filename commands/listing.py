@@ -42,10 +42,10 @@ def _ps_table(jobs_: list[dict]) -> None:
     # Readable at 80 columns and in a pipe (rich lays out 80 wide there): no borders, the age
     # under the state, sentences (why a job ended, a stall) under the table, and nothing cut
     # with "…". Short cells keep their width; only `where` (pids, nodes) wraps, at spaces;
-    # a model path sits under its job, the column as wide as the longest of both (at most 40:
-    # a longer path folds).
+    # a model path sits under its job: a hub id (org/name) whole, a long local path folded at
+    # the width of the longest E/T (widening the column for it would squeeze the others).
     t = Table(box=None, header_style="bold", pad_edge=False)
-    job_w = max(max(len(j["name"]), len(j.get("model") or "")) for j in jobs_)
+    job_w = max(max(len(j["name"]), min(24, len(j.get("model") or ""))) for j in jobs_)
     t.add_column("job", overflow="fold", width=min(40, job_w))
     t.add_column("kind", no_wrap=True)
     t.add_column("state", no_wrap=True)
