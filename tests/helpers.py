@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -47,3 +48,36 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
             return got
         assert time.monotonic() < deadline, f"{what} after {timeout:g}s"
         time.sleep(interval)
+
+
+@contextlib.contextmanager
+def small_tmpfs(mnt: Path, size: str):
+    """A tmpfs of `size` mounted at `mnt` for the test's life (skips where mounting is not
+    permitted); unmounted after, lazily when something still holds it."""
+    import pytest
+
+    mnt.mkdir(parents=True, exist_ok=True)
+    try:
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                             capture_output=True, timeout=10)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        pytest.skip("cannot run mount")
+    if res.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here: {res.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def fill(mnt: Path) -> None:
+    """Write into `mnt` until its filesystem is full."""
+    fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        while True:
+            os.write(fd, b"x" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -5,8 +5,6 @@ temporary file is left behind."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from areal_cli import files
-from tests.helpers import FAKE_PYTHON, areal
+from tests.helpers import FAKE_PYTHON, areal, fill, small_tmpfs
 
 CHATTY = """\
 import time
@@ -33,33 +31,8 @@ def model(tmp_path):
 
 @pytest.fixture
 def small_fs(tmp_path):
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    try:
-        res = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-            capture_output=True, timeout=10,
-        )  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        pytest.skip("cannot run mount")
-    if res.returncode != 0:
-        pytest.skip(f"mounting a tmpfs is not permitted here: {res.stderr.decode().strip()}")
-    try:
+    with small_tmpfs(tmp_path / "small", "1m") as mnt:
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
-def _fill(mnt: Path) -> None:
-    fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    try:
-        while True:
-            os.write(fd, b"x" * 4096)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _tmp_files(root: Path) -> list[str]:
@@ -90,7 +63,7 @@ def test_training_that_fills_the_home(small_fs, tmp_path):
 def test_serve_on_a_full_home(small_fs, tmp_path, model):
     home = small_fs / "home"
     home.mkdir()
-    _fill(small_fs)
+    fill(small_fs)
     t0 = time.monotonic()
     res = areal("serve", "--backend", "hf", "--model", str(model), "--python", FAKE_PYTHON,
                 env={"AREAL_HOME": str(home)}, timeout=60)  # fmt: skip
@@ -108,11 +81,11 @@ def test_the_last_state_gets_out_on_a_full_disk(small_fs):
     rec = small_fs / "train.json"
     files.write_atomic(rec, '{"state": "running"}', reserve=True)
     assert (small_fs / ".train.json.reserve").stat().st_size == files.RESERVE_BYTES
-    _fill(small_fs)
+    fill(small_fs)
     files.write_atomic(rec, '{"state": "failed", "message": "' + "m" * 3000 + '"}', reserve=False)
     assert json.loads(rec.read_text())["state"] == "failed"
     assert not (small_fs / ".train.json.reserve").exists()
-    _fill(small_fs)  # the reserve's room is taken again
+    fill(small_fs)  # the reserve's room is taken again
     with pytest.raises(files.DiskFull) as e:
         files.write_atomic(small_fs / "other.json", "x" * 8192)
     assert f"tmpfs at {small_fs}" in e.value.message

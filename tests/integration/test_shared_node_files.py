@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from areal_cli import apikeys, settings
-from tests.helpers import AREAL, areal, fake_serve_args, wait_for
+from tests.helpers import AREAL, areal, fake_serve_args, fill, small_tmpfs, wait_for
 
 OTHER = 4242  # a uid no one uses here
 ME = settings.user()
@@ -275,28 +275,8 @@ def test_a_bundle_is_private_under_the_default_umask(shared):
 
 @pytest.fixture
 def small_fs(tmp_path):
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
-                         capture_output=True, timeout=10)  # fmt: skip
-    if res.returncode != 0:
-        pytest.skip(f"mounting a tmpfs is not permitted here: {res.stderr.decode().strip()}")
-    try:
+    with small_tmpfs(tmp_path / "small", "4m") as mnt:
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
-def _fill(mnt: Path) -> None:
-    fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    try:
-        while True:
-            os.write(fd, b"x" * 4096)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def test_a_full_disk_neither_kills_the_watchdog_nor_its_action(small_fs):
@@ -309,7 +289,7 @@ def test_a_full_disk_neither_kills_the_watchdog_nor_its_action(small_fs):
         rank1 = wait_for(lambda: next(home.glob("logs/*/default/full/rank-1.log"), None), 90,
                          "no rank-1.log")  # fmt: skip
         wait_for(lambda: "skips the all_reduce" in rank1.read_text(), 90, "rank 1 never hung")
-        _fill(small_fs)
+        fill(small_fs)
     except BaseException:
         os.killpg(p.pid, signal.SIGINT)
         p.communicate(timeout=60)
