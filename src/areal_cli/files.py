@@ -273,6 +273,16 @@ def read_owned(path: str | Path, limit: int = 16 << 20) -> bytes:
         os.close(fd)
 
 
+def kind_of(mode: int) -> str:
+    """What a file of st_mode `mode` is, in the words of an error message."""
+    kinds = (
+        (stat.S_ISREG, "a regular file"), (stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"),
+        (stat.S_ISSOCK, "a socket"),
+    )  # fmt: skip
+    return next((word for test, word in kinds if test(mode)), "not a file")
+
+
 def check_replaceable(path: str | Path) -> None:
     """Refuse a `path` whose replacing would destroy something other than a regular file (a
     symlink such as /dev/stdout, a device, a FIFO, a folder): UnsafePath naming it."""
@@ -286,14 +296,8 @@ def check_replaceable(path: str | Path) -> None:
     except OSError as e:
         raise UnsafePath(f"cannot write {path}: {e.strerror or e}") from None
     if not stat.S_ISREG(st.st_mode):
-        if stat.S_ISLNK(st.st_mode):
-            what = "a symlink"
-        elif stat.S_ISDIR(st.st_mode):
-            what = "a folder"
-        else:
-            what = "not a regular file (a device, a FIFO or a socket)"
         raise UnsafePath(
-            f"refusing to replace {path}: it is {what}",
+            f"refusing to replace {path}: it is {kind_of(st.st_mode)}",
             hint="name a regular file (or a new one); `-` writes to stdout",
         )
 

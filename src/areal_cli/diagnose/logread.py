@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from areal_cli import files
+
 BLOCK = 1 << 20
 TAIL = 4 << 20
 CONTEXT = 2_000  # lines of each neighbour around a block: longer than any traceback
@@ -56,14 +58,7 @@ def not_a_log(path: str | Path) -> str | None:
         return f"cannot read it: {e.strerror}"
     if stat.S_ISREG(st.st_mode):
         return None
-    what = (
-        "a folder" if stat.S_ISDIR(st.st_mode)
-        else "a FIFO" if stat.S_ISFIFO(st.st_mode)
-        else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
-        else "a socket" if stat.S_ISSOCK(st.st_mode)
-        else "not a file"
-    )  # fmt: skip
-    return f"not a regular file ({what})"
+    return f"not a regular file ({files.kind_of(st.st_mode)})"
 
 
 def blocks(f) -> Iterator[bytes]:
