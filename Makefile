@@ -6,7 +6,7 @@ TORCH   ?= torch==2.13.0
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: install demo test test-engines engines areal test-areal lint format bench clean
+.PHONY: install demo test test-docs test-engines engines areal test-areal lint format bench docs clean
 
 install: $(STAMP)
 
@@ -30,7 +30,7 @@ demo: install
 # time real processes on two shared cores can miss a deadline under load; both results print.
 # The 15 slowest tests print at the end: what to look at when the suite grows slower.
 test: install lint
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 3 --dist loadfile --reruns 1 --durations 15 -m "not engines and not areal"
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 3 --dist loadfile --reruns 1 --durations 15 -m "not engines and not areal and not docs"
 
 # The CPU builds of SGLang 0.5.23 and vLLM 0.32 in $$AREAL_ENGINES (default
 # /var/cache/areal-engines), outside the checkout so every checkout on the machine reuses them.
@@ -64,5 +64,16 @@ format: install
 bench: install
 	$(BIN)/python benchmarks/run_all.py
 
+# The manual (mkdocs.yml, docs/) as a site in site/; --strict fails on every warning, a link to
+# a missing page or anchor among them.
+docs: install
+	$(BIN)/mkdocs build --strict --site-dir site
+
+# Every block of README.md and docs/*.md run as a reader would (tests/docs/, a page is a
+# walk in a sandbox of its own): 5-7 minutes on two cores, most of it servers and torchrun
+# starting, so a tier of its own beside `make test`, which runs the harness's own tests.
+test-docs: install
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 3 --dist loadfile --reruns 1 -m docs tests/docs
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info src/*.egg-info
+	rm -rf $(VENV) build dist site *.egg-info src/*.egg-info

@@ -45,10 +45,12 @@ def _rows(home: Path, trial: str) -> list[dict]:
 
 
 def _train(env: dict, trial: str, steps: int, *flags: str) -> float:
+    # Both runs share the trial the servers are registered under: resume=false, or the second
+    # run would resume from the first one's checkpoint and train nothing.
     t0 = time.monotonic()
     subprocess.run(
         [AREAL, "train", "--alloc", "fsdp:d2", "--trial", trial, *flags, TRAIN, "--config",
-         CONFIG, f"steps={steps}"],
+         CONFIG, f"steps={steps}", "resume=false"],
         env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900,
     )  # fmt: skip
     return time.monotonic() - t0

@@ -44,7 +44,8 @@ JsonOpt = typer.Option(False, "--json", help="Machine-readable output on stdout.
 SchedulerOpt = typer.Option(
     None,
     "--scheduler",
-    help="local | slurm | ray, or one AREAL_SCHEDULERS adds (env AREAL_SCHEDULER; default local).",
+    help="local | slurm | ray, or one an installed plug-in adds (env AREAL_SCHEDULER; "
+    "default local).",
 )
 SchedulerOptOpt = typer.Option(
     None,
@@ -369,7 +370,7 @@ def scheduler_opts(
         opt = declared.get(key)
         if opt is None:
             known = ", ".join(f"{o.name} ({o.help})" for o in declared.values()) or "none"
-            owners = [n for n in schedulers.NAMES if n != chosen and _declares(n, key)]
+            owners = [n for n in schedulers.names() if n != chosen and _declares(n, key)]
             also = (
                 f"it is an option of {' and '.join(owners)}: add --scheduler {owners[0]} (or "
                 f"scheduler: {owners[0]} in the job YAML); "
@@ -419,6 +420,13 @@ def scheduler_for(name: str | None, config: dict, home, registry):
     )
 
 
+def _note_used(request) -> None:
+    """So that `areal ps` asks this scheduler about this home (schedulers.USED)."""
+    from areal_cli import schedulers
+
+    schedulers.note_used(settings.home(request.plan.home or None), request.scheduler)
+
+
 def run_foreground(sched, request, json_out: bool = False) -> None:
     """Run the job in this process's foreground: prefixed logs and events on stderr, Ctrl-C
     or SIGTERM tears it down. Exits with the job's code (130/143 when stopped)."""
@@ -454,6 +462,10 @@ def run_foreground(sched, request, json_out: bool = False) -> None:
         elif kind == "stopping":
             why = "" if info["state"] == "stopped" else f" ({info['state']})"
             err.print(f"[yellow]stopping[/] {name}{why}")
+        elif kind == "restart":  # a restart of the trainers, or a refusal (diagnose.restart)
+            from rich.markup import escape
+
+            err.print(f"[{'yellow' if info['restart'] else 'red'}]{escape(info['line'])}[/]")
         elif kind == "resumed":
             left = ", ".join(info["servers"])
             err.print(f"[yellow]resumed[/] {left} (left paused by the trainer)")
@@ -463,6 +475,7 @@ def run_foreground(sched, request, json_out: bool = False) -> None:
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+    _note_used(request)
     try:
         sched.schedule(request, detach=False, on_event=on_event, on_line=LinePrinter(err))
     except Stopped as e:
@@ -483,6 +496,7 @@ def run_detached(sched, request, json_out: bool) -> None:
         def progress(text: str) -> None:
             status.update(f"{plan.experiment}/{plan.trial}: {text}")
 
+        _note_used(request)
         try:
             handle = sched.schedule(request, detach=True, on_progress=progress)
         except KeyboardInterrupt:

@@ -133,7 +133,7 @@ def stop(
     targets = []
     if all_:
         here = settings.hostname()
-        for sname in schedulers.NAMES:
+        for sname in schedulers.names():
             sched = schedulers.get(sname, home=home_dir, registry=registry)
             targets += [
                 (sched, j.handle)

@@ -63,6 +63,7 @@ def _ps_table(jobs_: list[dict]) -> None:
                 f"{s['addr']}"
             )
             + (" [yellow]paused[/]" if s.get("paused") else "")
+            + (f" [yellow]restarts {s['restarts']}[/]" if s.get("restarts") else "")
             + _errors_mark(s.get("errors"))
             for s in j["servers"]
         )
@@ -73,6 +74,10 @@ def _ps_table(jobs_: list[dict]) -> None:
             state += f"\nranks {j.get('ranks_alive') or 0}/{j['world_size']}"
         if j.get("reason"):
             notes.append(f"[bold]{j['name']}[/] [dim]{escape(j['reason'])}[/]")
+        if j.get("restarts"):  # the trainers' restarts, and the last decision's line
+            done = sum(1 for r in j["restarts"] if r.get("restart"))
+            state += f"\n[yellow]restarts {done}[/]"
+            notes.append(f"[bold]{j['name']}[/] [yellow]{escape(j['restarts'][-1]['line'])}[/]")
         if j.get("watchdog"):  # the last stall: its verdict (the bundle is in `areal logs`)
             w = j["watchdog"]
             odd = f" ranks {','.join(map(str, w['odd_ranks']))}" if w.get("odd_ranks") else ""

@@ -40,6 +40,7 @@ CONFIG_KEYS = {
     "experiment": "str", "trial": "str", "host": "str", "port_base": "port", "gpus": "str",
     "health_timeout": "posfloat", "python": "str", "api_key": "str", "seed": "int",
     "extra_args": "list", "scheduler": "str", "allow_unauthenticated_control": "bool",
+    "max_restarts": "int",
 }  # fmt: skip
 CONFIG_KEYS.update(SLURM_KEYS)
 
@@ -123,6 +124,13 @@ def register(app: typer.Typer) -> None:
             "trainer uses (pause, weight updates; vLLM's --api-key covers only /v1).",
             show_default=False,
         ),
+        max_restarts: int = typer.Option(
+            None,
+            "--max-restarts",
+            min=0,
+            help="Restarts of a replica whose server exited, per rolling hour, on its GPUs "
+            "and address; trainers realign it before they sample from it (default 3; 0: off).",
+        ),
         scheduler: str = SchedulerOpt,
         partition: str = PartitionOpt,
         account: str = AccountOpt,
@@ -169,6 +177,7 @@ def register(app: typer.Typer) -> None:
             allow_unauthenticated_control=bool(
                 pick(allow_unauthenticated_control, cfg, "allow_unauthenticated_control", False)
             ),
+            max_restarts=jobspec.restart_budget(pick(max_restarts, cfg, "max_restarts", 3)),
         )
         experiment, trial = job_names(experiment, trial, cfg)
         spec = JobSpec(

@@ -40,8 +40,8 @@ CONFIG_KEYS = {
     "min_servers": "posint", "wait_servers": "nonneg", "nnodes": "posint", "node_rank": "int",
     "master_addr": "str", "master_port": "port", "gpus": "str", "debug_preset": "str",
     "model": "str", "python": "str", "health_timeout": "posfloat", "api_key": "str",
-    "areal_overrides": "bool", "scheduler": "str", "watchdog": "nonneg",
-    "watchdog_action": "str",
+    "areal_overrides": "bool", "scheduler": "str", "watchdog": "str",
+    "watchdog_action": "str", "max_restarts": "int", "restart_on": "str",
 }  # fmt: skip
 CONFIG_KEYS.update(SLURM_KEYS)
 
@@ -134,18 +134,32 @@ def register(app: typer.Typer) -> None:
             "KEY they need when it is not their job's (default env AREAL_API_KEY); checked "
             "before any rank starts.",
         ),
-        watchdog: float = typer.Option(
+        watchdog: str = typer.Option(
             None,
             "--watchdog",
-            min=0,
-            help="Seconds without progress of any rank before the hang doctor runs on the job "
-            "(default 300; 0 off).",
+            metavar="auto|SECONDS",
+            help="No progress of any rank for this long runs the hang doctor on the job: auto "
+            "(default) 10x the median step, 20-300 s (300 before 5 steps); SECONDS fixed; 0 off.",
         ),
         watchdog_action: str = typer.Option(
             None,
             "--watchdog-action",
             help="On a stall: observe (verdict and bundle in the logs) | fail (then stop, "
             "exit 1) (default observe).",
+        ),
+        max_restarts: int = typer.Option(
+            None,
+            "--max-restarts",
+            min=0,
+            help="Start the trainers again after a failure, at most N times, in the same job "
+            "(servers kept); the doctor's root cause decides each time (default 0).",
+        ),
+        restart_on: str = typer.Option(
+            None,
+            "--restart-on",
+            help="infra: restart on faults of the infrastructure (a signal, the OOM killer, a "
+            "collective timeout, a lost connection, node or server), stop on a bug that would "
+            "repeat | any: restart on every failure (default infra).",
         ),
         registry: str = RegistryOpt,
         home: Path = HomeOpt,
@@ -169,7 +183,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = JsonOpt,
     ) -> None:
         from areal_cli import jobspec
-        from areal_cli.diagnose.watchdog import DEFAULT_SECONDS
+        from areal_cli.diagnose.watchdog import AUTO
         from areal_cli.spec import JobSpec
 
         cfg = load_config(config, CONFIG_KEYS)
@@ -211,11 +225,15 @@ def register(app: typer.Typer) -> None:
             trainer = jobspec.areal_trainer(
                 trainer, server_role, found, dry_run, sched.opened_registry(), (experiment, trial)
             )
+        limit_s, auto = jobspec.watchdog_limit(pick(watchdog, cfg, "watchdog", AUTO))
         spec = JobSpec(
-            watchdog=seconds("--watchdog", pick(watchdog, cfg, "watchdog", DEFAULT_SECONDS)),
+            watchdog=limit_s,
+            watchdog_auto=auto,
             watchdog_action=jobspec.watchdog_action(
                 str(pick(watchdog_action, cfg, "watchdog_action", "observe"))
             ),
+            max_restarts=_restarts(pick(max_restarts, cfg, "max_restarts", 0)),
+            restart_on=jobspec.restart_on(str(pick(restart_on, cfg, "restart_on", "infra"))),
             experiment=experiment,
             trial=trial,
             servers=server_role,
@@ -240,6 +258,14 @@ def register(app: typer.Typer) -> None:
             run_detached(sched, request, json_out)
         else:
             run_foreground(sched, request)
+
+
+def _restarts(value) -> int:
+    from areal_cli.errors import UsageError
+
+    if int(value) < 0:
+        raise UsageError(f"max_restarts must be >= 0, not {value}")
+    return int(value)
 
 
 def _servers(sched, servers: str, key_flag, experiment, trial, need, wait, home, dry_run):

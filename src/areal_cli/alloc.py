@@ -43,15 +43,33 @@ from dataclasses import dataclass
 
 from areal_cli.errors import UsageError
 
-INFERENCE_BACKENDS = ("sglang", "vllm", "hf")
 TRAIN_BACKENDS = ("fsdp", "megatron", "archon")
-BACKENDS = INFERENCE_BACKENDS + TRAIN_BACKENDS
+
+
+def inference_backends() -> tuple[str, ...]:
+    """The inference engines an allocation may name: those installed (the entry points of
+    areal_cli.engines; asked of plugins, not backends, which imports the allocation's spec)."""
+    from areal_cli import plugins
+
+    return tuple(plugins.names(plugins.ENGINES))
+
+
+def all_backends() -> tuple[str, ...]:
+    return inference_backends() + TRAIN_BACKENDS
+
+
+def __getattr__(name: str):
+    # INFERENCE_BACKENDS and BACKENDS, asked of the engines installed when read.
+    if name == "INFERENCE_BACKENDS":
+        return inference_backends()
+    if name == "BACKENDS":
+        return all_backends()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 DIMS = "dtpce"
-_ALLOWED = {
-    **dict.fromkeys(INFERENCE_BACKENDS, "dtp"),
-    **dict.fromkeys(TRAIN_BACKENDS, DIMS),
-}
+# The dimension letters each kind of backend takes.
+_INFERENCE_DIMS = "dtp"
 # Letters fsdp reads but only as 1, as AReaL's ModelAllocation check does.
 _FSDP_ONLY_ONE = "pe"
 _ATTN_DIMS = "dtpc"
@@ -125,7 +143,7 @@ class Component:
 
     @property
     def role(self) -> str:
-        return "inference" if self.backend in INFERENCE_BACKENDS else "train"
+        return "inference" if self.backend in inference_backends() else "train"
 
     @property
     def world_size(self) -> int:
@@ -312,9 +330,10 @@ class _Parser:
                 start,
                 "write megatron:(attn:d2t2|ffn:e4) or archon:(…)",
             )
-        if word not in BACKENDS:
-            close = difflib.get_close_matches(word.lower(), BACKENDS, n=1, cutoff=0.6)
-            known = "backends: " + ", ".join(BACKENDS)
+        known_names = all_backends()
+        if word not in known_names:
+            close = difflib.get_close_matches(word.lower(), known_names, n=1, cutoff=0.6)
+            known = "backends: " + ", ".join(known_names)
             hint = f"did you mean {close[0]}? {known}" if close else known
             self.fail(f"unknown backend {word!r}", start, hint)
         backend = word
@@ -356,7 +375,8 @@ class _Parser:
                     f"{backend}[{name}]:d2t2e2",
                 )
             return self.moe(start, backend, name, name_pos)
-        dims = self.dims(backend, _ALLOWED[backend])
+        allowed = _INFERENCE_DIMS if backend in inference_backends() else DIMS
+        dims = self.dims(backend, allowed)
         if backend == "fsdp":
             self._check_fsdp(dims)
         single = _Single(start, backend, name, name_pos, _filled(dims))
@@ -536,7 +556,7 @@ class _Parser:
                 hint = "dimensions: " + ", ".join(f"{k} ({v})" for k, v in _DIM_WORDS.items())
             self.fail(f"unknown dimension {letter!r}", pos, hint)
         what = f"{_DIM_WORDS[letter]} parallelism ({letter})"
-        if owner in INFERENCE_BACKENDS:
+        if owner in inference_backends():
             self.fail(
                 f"{owner} does not take {what}",
                 pos,
@@ -549,7 +569,7 @@ class _Parser:
         )
 
     def _fail_not_a_dim(self, owner: str, word: str, pos: int, after_dims: bool) -> None:
-        if after_dims and word in BACKENDS:
+        if after_dims and word in all_backends():
             self.fail(
                 f"expected '+' or '|' before {word!r}",
                 pos,
@@ -682,7 +702,7 @@ def _modernize(text: str) -> str | None:
                 return None
             continue
         backend = m.group("backend")
-        if backend is not None and backend not in BACKENDS:
+        if backend is not None and backend not in all_backends():
             return None
         if backend is None and i == 0:
             return None
@@ -693,7 +713,7 @@ def _modernize(text: str) -> str | None:
                 return None
             dims[letter] = int(num)
         full = {k: dims.get(k, 1) for k in DIMS}
-        if backend in INFERENCE_BACKENDS:
+        if backend in inference_backends():
             if full["c"] > 1 or full["e"] > 1:
                 return None
             keep = "dt" + ("p" if full["p"] > 1 else "")

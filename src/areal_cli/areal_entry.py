@@ -45,7 +45,7 @@ if version("areal"):
         m = re.match(r"sglang(\[[^\]]*\])?\s*==\s*([^;\s]+)", req)
         if m:
             pin = m.group(2)
-print(json.dumps({"areal": version("areal"), "sglang": version("sglang"), "sglang_pin": pin}))
+print(json.dumps({"areal": version("areal"), "metadata": version("sglang"), "pin": pin}))
 """
 PROBE_TIMEOUT = 60.0
 
@@ -141,8 +141,8 @@ def probe(python: str, script_args: list[str]) -> Target:
         mode = actor.get("weight_update_mode") if isinstance(actor, dict) else None
     mode = _override(script_args, "actor.weight_update_mode") or mode
     return Target(
-        python=python, version=got["areal"], sglang=got.get("sglang"),
-        sglang_pin=got.get("sglang_pin"), weight_update_mode=mode, config=path,
+        python=python, version=got["areal"], sglang=got.get("metadata"),
+        sglang_pin=got.get("pin"), weight_update_mode=mode, config=path,
     )  # fmt: skip
 
 
@@ -155,8 +155,7 @@ def overrides(
     AReaL names its servers' entries `<user>/<experiment>/<trial>/gen_servers` and its disk
     sync's `.../update_weights_from_disk/<version>` with the experiment and trial of the
     engine that writes them (rollout.*, actor.*), so all of them are ours."""
-    engine = "sglang" if backend in ("hf", "sglang", "") else backend
-    gen = f"{engine}:d{max(1, n_servers)}"
+    gen = f"{_areal_engine(backend).areal_engine}:d{max(1, n_servers)}"
     train = train_alloc.split("+")[-1]
     # Unknown (a dry run without AReaL in --python): the current form.
     legacy = bool(version) and _release(version)[0] < 1
@@ -173,12 +172,19 @@ def overrides(
     return [f"++{kv}" for kv in (*placement, *names, *name_resolve)]
 
 
+def _areal_engine(backend: str):
+    """The engine AReaL's trainer takes a server of `backend` for (the fallback engine when
+    none is named): an engine that speaks another's protocol is that one."""
+    from areal_cli import backends
+
+    return backends.resolve(backends.resolve(backend).areal_engine)
+
+
 def check_metadata(target: Target, backend: str) -> None:
     """AReaL's trainer builds SGLang's server arguments even for remote servers, and asks
     sglang's package metadata for its version there (areal/api/cli_args.py
     SGLangConfig.build_args): without it every rank dies at start."""
-    engine = "sglang" if backend in ("hf", "sglang", "") else backend
-    if engine == "sglang" and not target.sglang:
+    if _areal_engine(backend).areal_reads_metadata and not target.sglang:
         raise UsageError(
             f"AReaL {target.version} in {target.python} needs sglang's package metadata "
             "to talk to SGLang servers (areal/api/cli_args.py SGLangConfig.build_args "
@@ -193,7 +199,11 @@ def check_pairing(target: Target, backend: str, served: dict[str, str | None]) -
     inside a begin/end session that AReaL (pinned to 0.5.10.post1, which has none) never
     opens, so the sync fails inside AReaL's trainer. `served`: addr → engine version (None:
     not known)."""
-    if backend != "sglang" or target.weight_update_mode != "xccl" or not target.sglang_pin:
+    from areal_cli import backends
+
+    engine = backends.find(backend)
+    strict = engine is not None and engine.update_session_required
+    if not strict or target.weight_update_mode != "xccl" or not target.sglang_pin:
         return
     other = {a: v for a, v in served.items() if v and v != target.sglang_pin}
     if not other:

@@ -109,15 +109,15 @@ def main(argv: list[str] | None = None) -> None:
     try:
         _main(argv)
     except SystemExit as e:
-        if "ray" not in sys.modules:
+        plugins = sys.modules.get("areal_cli.plugins")
+        if plugins is None or not plugins.exit_hooks:
             raise
-        _leave(e.code)
+        _leave(e.code, plugins.exit_hooks)
 
 
-def _leave(code) -> None:
-    """Exit at once once Ray was used: its client threads and exit hooks take a second and
-    more to wind down (areal disconnected already, schedulers/ray/cluster.py), and nothing
-    is left to write."""
+def _leave(code, hooks) -> None:
+    """Exit at once where a plug-in asks (plugins.exit_hooks): its library's exit would
+    take a second and more, and nothing is left to write."""
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
@@ -126,9 +126,8 @@ def _leave(code) -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
-    ray_cluster = sys.modules.get("areal_cli.schedulers.ray.cluster")
-    if ray_cluster is not None:
-        ray_cluster.disconnect()  # what Ray's exit hook would do, without its wait
+    if not any([hook() for hook in hooks]):  # a list: every hook runs
+        sys.exit(code)
     os._exit(code or 0)
 
 

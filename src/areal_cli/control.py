@@ -2,7 +2,8 @@
 which must not wait on a hung server nor import the worker runtime (stdlib only).
 
 Which routes say what, per backend, is each engine's protocol module
-(`backends/protocol_sglang.py`, spoken by sglang and hf; `backends/protocol_vllm.py`):
+(`backends/protocol_sglang.py`, spoken by sglang and hf; `backends/protocol_vllm.py`) and
+its `paused_query`:
     hf      paused: /server_info "batching.paused"
     sglang  no pause flag: /ready 503 with /ping 200 is a pause. A pause that outlasted a
             health check (20 s idle) flags the server unhealthy too: then it cannot be told
@@ -17,9 +18,10 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterable
 
+from areal_cli import backends
+from areal_cli.backends import protocol_for
 from areal_cli.backends import protocol_sglang as _sglang
 from areal_cli.backends import protocol_vllm as _vllm
-from areal_cli.backends.protocol import for_backend
 
 
 def _call(
@@ -48,7 +50,7 @@ def _call(
 
 def resume(addr: str, backend: str, key: str | None = None, timeout: float = 5.0) -> bool:
     """Ask the server to continue generating; True when it said yes."""
-    got = _call(addr, "POST", for_backend(backend).RESUME_PATH, key, timeout)
+    got = _call(addr, "POST", protocol_for(backend).RESUME_PATH, key, timeout)
     return got is not None and got[0] == 200
 
 
@@ -60,23 +62,23 @@ def paused(addr: str, backend: str, key: str | None = None, timeout: float = 2.0
 
 def _paused(addr: str, backend: str, key: str | None, timeout: float) -> tuple[bool | None, bool]:
     """(paused as `paused` says, whether the server answered at all)."""
-    if backend == "vllm":
-        got = _call(addr, "GET", _vllm.PAUSED_PATH, key, timeout)
-        flag = _vllm.parse_paused(got[1]) if got and got[0] == 200 else None
-        return flag, got is not None
-    if backend == "hf":
-        got = _call(addr, "GET", _sglang.SERVER_INFO_PATHS[0], key, timeout)
+    engine = backends.resolve(backend)
+    proto, query = engine.protocol, engine.paused_query()
+    if query is not None:
+        got = _call(addr, "GET", query[0], key, timeout)
         if got is None:
             return None, False
-        flag = _sglang.parse_paused_info(got[1]) if got[0] == 200 else None
-        if flag is not None:
+        flag = query[1](got[1]) if got[0] == 200 else None
+        if flag is not None or not proto.PAUSED_BY_READINESS:
             return flag, True
-    got = _call(addr, "GET", _sglang.READY_PATH, None, timeout)
+    if not proto.PAUSED_BY_READINESS:
+        return None, True
+    got = _call(addr, "GET", proto.READY_PATH, None, timeout)
     if got is None:
         return None, False
     if got[0] == 200:
         return False, True
-    ping = _call(addr, "GET", _sglang.PING_PATH, key, timeout)
+    ping = _call(addr, "GET", proto.PING_PATH, key, timeout)
     return (True if ping is not None and ping[0] == 200 else None), True
 
 
@@ -114,7 +116,7 @@ def key_refused(addr: str, backend: str, key: str | None, timeout: float = 5.0) 
     """401 or 403 when the server refuses `key` (None: no key) on a route its key guards;
     None when it takes it, or cannot tell (no answer in time, no such route)."""
     # /health is open on every engine: ask a route the key guards.
-    for path in for_backend(backend).GUARDED_PATHS:
+    for path in protocol_for(backend).GUARDED_PATHS:
         got = _call(addr, "GET", path, key, timeout)
         if got is None:
             return None
@@ -140,24 +142,14 @@ def identify(addr: str, key: str | None = None, timeout: float = 5.0) -> str | N
     config), vLLM lists its models as owned by "vllm"; None when it cannot tell."""
     got = _call(addr, "GET", _sglang.SERVER_INFO_PATHS[0], key, timeout)
     if got is not None and got[0] == 200 and isinstance(got[1], dict):
-        if got[1].get("backend") == "hf":
-            return "hf"
-        # vLLM serves /server_info too in its dev mode: {"vllm_config": ...}.
-        return "vllm" if "vllm_config" in got[1] else "sglang"
+        return backends.identify(got[1], None)
     got = _call(addr, "GET", _vllm.MODELS_PATH, key, timeout)
     if got is not None and got[0] == 200:
         owners = {m.get("owned_by") for m in _vllm.parse_models(got[1]) if isinstance(m, dict)}
-        if owners == {"vllm"}:
-            return "vllm"
+        return backends.identify(None, owners)
     return None
 
 
 def backend_of(argv: list[str]) -> str | None:
     """Which backend a server's command line runs (a job record keeps only the argv)."""
-    if "sglang.launch_server" in argv:
-        return "sglang"
-    if "areal_cli.server" in argv:
-        return "hf"
-    if "serve" in argv and any(a.endswith("vllm") for a in argv):
-        return "vllm"
-    return None
+    return backends.launched_by(argv)

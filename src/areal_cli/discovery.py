@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from areal_cli import apikeys
+from areal_cli.backends import FALLBACK
 from areal_cli.errors import UsageError, WaitTimeout
 from areal_cli.health import PROBE_TIMEOUT, probe_health
 from areal_cli.registry import Registry, ServerEntry
@@ -91,7 +92,7 @@ def explicit(addrs: list[str], backend: str | None, api_key: str | None) -> Foun
         )
     if backend is None:
         backend = _identified(addrs, api_key)
-    return Found(addrs, backend or "sglang", api_key, [], backend_known=backend is not None)
+    return Found(addrs, backend or FALLBACK, api_key, [], backend_known=backend is not None)
 
 
 def _identified(addrs: list[str], api_key: str | None) -> str | None:
@@ -158,7 +159,7 @@ def from_registry(
                     f"servers of {experiment}/{trial} run different backends: {sorted(backends)}",
                     hint="serve one backend per trial, or pick servers with --servers",
                 )
-            backend = backends.pop() if backends else "sglang"
+            backend = backends.pop() if backends else FALLBACK
             return Found([e.addr for e in good], backend, key, good, skipped, resumed)
         if left <= 0:
             where = registry.where(experiment, trial)
@@ -191,7 +192,7 @@ def _unpause(
         return max(0.2, min(2.0, deadline - time.monotonic()))
 
     with ThreadPoolExecutor(max_workers=min(MAX_PROBES, len(good))) as ex:
-        flags = list(ex.map(lambda e: control.paused(e.addr, e.backend or "sglang", key,
+        flags = list(ex.map(lambda e: control.paused(e.addr, e.backend or FALLBACK, key,
                                                      budget()), good))  # fmt: skip
     stuck = [e for e, flag in zip(good, flags, strict=True) if flag is True]
     if not stuck:
@@ -204,7 +205,7 @@ def _unpause(
         why = f"paused, and a trainer of {experiment}/{trial} is alive (its weight sync?)"
         return [e for e in good if e not in stuck], [], [(e.addr, why) for e in stuck]
     with ThreadPoolExecutor(max_workers=min(MAX_PROBES, len(stuck))) as ex:
-        took = list(ex.map(lambda e: control.resume(e.addr, e.backend or "sglang", key,
+        took = list(ex.map(lambda e: control.resume(e.addr, e.backend or FALLBACK, key,
                                                     budget()), stuck))  # fmt: skip
     resumed = [e.addr for e, ok in zip(stuck, took, strict=True) if ok]
     refused = [e for e, ok in zip(stuck, took, strict=True) if not ok]

@@ -111,14 +111,14 @@ def servers_from_registry(
 ):
     """The healthy servers E/T registered, waiting up to `wait` seconds for `need` of them.
     A dry run shows the plan even where none answer."""
-    from areal_cli import discovery
+    from areal_cli import backends, discovery
 
     try:
         return discovery.from_registry(registry, home, experiment, trial, need, wait, progress)
     except Exception:
         if not dry_run:
             raise
-        return discovery.Found([], "sglang", None, [])
+        return discovery.Found([], backends.FALLBACK, None, [])
 
 
 def check_overrides_key(servers: ServerRole | None, areal_overrides: bool, key: str | None):
@@ -179,7 +179,7 @@ def areal_trainer(trainer: TrainerRole, servers: ServerRole | None, found, dry_r
     trainer left under the trial `name` in `registry` goes, as AReaL's own launcher clears
     it: a stale `update_weights_from_disk/<n>` would send the servers to load weights not
     yet written."""
-    from areal_cli import areal_entry
+    from areal_cli import areal_entry, backends
 
     try:
         target = areal_entry.probe(trainer.python, list(trainer.script_args))
@@ -187,7 +187,7 @@ def areal_trainer(trainer: TrainerRole, servers: ServerRole | None, found, dry_r
         if dry_run:
             return trainer
         raise
-    backend = servers.backend if servers else (found.backend if found else "sglang")
+    backend = servers.backend if servers else (found.backend if found else backends.FALLBACK)
     if not dry_run:
         areal_entry.check_metadata(target, backend)
         served = {e.addr: e.engine_version for e in (found.entries if found else [])}
@@ -204,6 +204,28 @@ def explicit_key(flag: str | None) -> str | None:
     return None if flag == "none" else (os.environ.get("AREAL_API_KEY") or None)
 
 
+def watchdog_limit(value) -> tuple[float, bool]:
+    """--watchdog (or the YAML key): auto (the default) | SECONDS | 0 (off), as (seconds,
+    auto): auto's seconds are its limit before steps are timed and its ceiling."""
+    import math
+
+    from areal_cli.diagnose.watchdog import AUTO, DEFAULT_SECONDS
+
+    text = str(value).strip()
+    if text.lower() == AUTO:
+        return DEFAULT_SECONDS, True
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0:
+        raise UsageError(
+            f"--watchdog {text!r} is not auto, a number of seconds >= 0 or 0 (off)",
+            hint="auto follows the job's step time; SECONDS is a fixed limit",
+        )
+    return seconds, False
+
+
 def watchdog_action(action: str) -> str:
     from areal_cli.diagnose.watchdog import ACTIONS
 
@@ -213,6 +235,18 @@ def watchdog_action(action: str) -> str:
             hint="observe keeps the job running; fail stops it on a stall (exit 1)",
         )
     return action
+
+
+def restart_on(value: str) -> str:
+    from areal_cli.diagnose.restart import RESTART_ON
+
+    if value not in RESTART_ON:
+        raise UsageError(
+            f"--restart-on {value!r} is not one of {', '.join(RESTART_ON)}",
+            hint="infra restarts on faults of the infrastructure only (the doctor's root "
+            "cause decides); any restarts on every failure",
+        )
+    return value
 
 
 def trainer_role(script: str, script_args: list[str], allocation: Allocation, nnodes: int,
@@ -247,6 +281,14 @@ def serve_allocation(text: str | None, backend: str | None, dp, tp):
     if backend and backend != comp.backend:
         raise UsageError(f"--backend {backend} disagrees with --alloc {text}")
     return a, comp.backend, comp.d, comp.t, comp.p
+
+
+def restart_budget(value) -> int:
+    """`--max-restarts` of servers (a config file's value too): restarts per hour, >= 0."""
+    if int(value) < 0:
+        raise UsageError(f"max_restarts must be 0 (off) or more, not {value}",
+                         hint="restarts of a replica per rolling hour, e.g. 3")  # fmt: skip
+    return int(value)
 
 
 def serve_shape(flags: dict, config: dict) -> tuple[dict, list[str]]:
@@ -300,10 +342,11 @@ def _one_inference(text: str):
 
 
 def default_backend(gpus_flag: str | None) -> str:
-    """SGLang where there are GPUs, hf on CPU."""
-    from areal_cli import gpus
+    """The engine that says it is the default where there are GPUs (SGLang), or on a host
+    without them (hf)."""
+    from areal_cli import backends, gpus
 
-    return "sglang" if gpus.detect(gpus_flag and str(gpus_flag)).gpus else "hf"
+    return backends.default_for(bool(gpus.detect(gpus_flag and str(gpus_flag)).gpus))
 
 
 def serve_alloc_text(role: ServerRole) -> str:

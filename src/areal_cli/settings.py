@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 DEFAULT_REGISTRY = "/tmp/areal/name_resolve"
@@ -59,14 +60,27 @@ def _checked_home(raw: str, source: str) -> Path:
     return path
 
 
+# The registry scheme whose URLs are paths: a registry given as a path is one of these.
+PATH_SCHEME = "file"
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
 def registry_url(override: str | Path | None = None) -> str:
     """AREAL_REGISTRY: a directory (AReaL's NFS name_resolve layout; `file://` optional) or
-    `etcd://host:port[,host:port...]`. Paths come back absolute, URLs as given."""
+    the URL of another registry plug-in (`etcd://host:port[,host:port...]`). Paths come back
+    absolute, URLs as given."""
     raw = str(override) if override else os.environ.get("AREAL_REGISTRY") or DEFAULT_REGISTRY
-    if raw.startswith("etcd://"):
+    found = _SCHEME.match(raw)
+    if found and found.group(1) != PATH_SCHEME:
         return raw
-    raw = raw.removeprefix("file://")
+    raw = raw[found.end() :] if found else raw
     return str(Path(raw).expanduser().resolve())
+
+
+def registry_scheme(url: str | Path | None = None) -> str:
+    """The scheme of the registry at `url` (registry_url's rules): its plug-in's name."""
+    found = _SCHEME.match(registry_url(url))
+    return found.group(1) if found else PATH_SCHEME
 
 
 def use_registry(value: str) -> None:

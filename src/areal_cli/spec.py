@@ -32,6 +32,8 @@ class ServerRole:
     revision: str | None = None  # of a hub id
     # Bind a server whose control routes nothing guards (vLLM's) beyond loopback anyway.
     allow_unauthenticated_control: bool = False
+    # Restarts of a replica whose server exited, per rolling hour (0: never restarted).
+    max_restarts: int = 3
 
     @property
     def gpus_per_replica(self) -> int:
@@ -93,6 +95,13 @@ class JobSpec:
     # what a stall does (observe: a verdict and a bundle; fail: that, then the job ends, exit 1).
     watchdog: float = 300.0
     watchdog_action: str = "observe"
+    # `--watchdog auto`: the limit follows the job's step time, `watchdog` seconds at most
+    # and before steps are timed (diagnose.watchdog.auto_limit).
+    watchdog_auto: bool = True
+    # Restarts of the trainers after a failure (areal train --max-restarts) and what may
+    # restart: infra (the root cause's restart column decides) | any.
+    max_restarts: int = 0
+    restart_on: str = "infra"
     # `alloc` parsed, by whoever built the spec (the command parses --alloc once); a spec
     # built from the text alone is parsed on first use, and only then.
     allocation: Allocation | None = field(default=None, compare=False, repr=False)
@@ -169,8 +178,12 @@ class Plan:
     tp: int = 1
     scheduler: str = "local"
     registry_ttl: float = 30.0  # seconds a registered server outlives its last renewal
+    server_restarts: int = 0  # restarts of each server replica per rolling hour (0: none)
     watchdog: float = 0.0  # seconds without progress of any rank that make a stall (0: off)
     watchdog_action: str = "observe"  # observe | fail
+    watchdog_auto: bool = False  # the limit follows the step time, `watchdog` at most (auto)
+    max_restarts: int = 0  # restarts of the trainers after a failure (diagnose.restart)
+    restart_on: str = "infra"  # infra | any
     # What a reader of the plan should know that its processes do not show (--dry-run).
     notes: list[str] = field(default_factory=list)
 

@@ -15,6 +15,11 @@ One step:
      distributed`, the default), or a checkpoint on disk that every server reloads (`disk`).
 
 Rank 0 prints one table row per step and appends it to $AREAL_LOG_DIR/metrics.jsonl.
+
+Every `save_every` steps (and after the last) the run saves a checkpoint in the background
+(areal_cli.worker.checkpoint); started again, it resumes from the latest one (`resume`):
+model, optimizer, RNG states and data position as they were, the servers brought back to the
+checkpoint's weights before the first rollout, and the metrics going on from that step.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from areal_cli.worker import (
     watch,
 )
 from areal_cli.worker.agree import describe
+from areal_cli.worker.checkpoint import Checkpoint, Checkpointer
 
 # --------------------------------------------------------------------------- config
 
@@ -98,6 +104,16 @@ class Config:
     # cheap question within probe_timeout is hung: requests fail over, syncs go on without it.
     stall_timeout: float = 10.0
     probe_timeout: float = 5.0
+    # Checkpoints: every save_every steps and after the last one, written in the background
+    # (a step does not wait for the disk); 0 never saves. Every 10 steps: a run that dies
+    # loses at most 10 steps, and a save costs the step it happens in a copy of the state to
+    # CPU memory. The newest `keep` are kept.
+    save_every: int = 10
+    keep: int = 2
+    # Start from the latest checkpoint in checkpoint_dir when there is one; false starts over
+    # and removes the checkpoints there.
+    resume: bool = True
+    checkpoint_dir: str | None = None  # default: $AREAL_LOG_DIR/checkpoints (the job's own)
     seed: int = 0
 
 
@@ -135,6 +151,12 @@ def load_config(argv: list[str]) -> Config:
         parser.exit(
             2, f"error: sync_method {values['sync_method']!r} is not one of {SYNC_METHODS}\n"
         )
+    for key, least in (("save_every", 0), ("keep", 1)):
+        value = values.get(key, least)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            parser.exit(2, f"error: {key} must be an integer >= {least}, not {value!r}\n")
+    if not isinstance(values.get("resume", True), bool):
+        parser.exit(2, f"error: resume must be true or false, not {values['resume']!r}\n")
     return Config(**values)
 
 
@@ -324,15 +346,21 @@ class Report:
         ("step_time_s", "{:.2f}", 11),
     )
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, resumed_at: int | None = None):
         from rich.console import Console
 
         self.console = Console(highlight=False)
         if self.console.width < 100:  # logs are not terminals: rich would assume 80 columns
             self.console = Console(highlight=False, width=100)
         self.path = log_dir / "metrics.jsonl"
-        # A restarted run in the same trial starts a fresh curve.
-        self.path.write_text("")
+        kept = ""
+        if resumed_at is not None and self.path.exists():
+            # The curve goes on from the checkpoint: rows of the steps the run does again
+            # (done after the checkpoint by the run that died) are dropped.
+            lines = self.path.read_text().splitlines()
+            kept = "".join(x + "\n" for x in lines if x.strip() and _step(x) < resumed_at)
+        # A run that starts over in the same trial starts a fresh curve.
+        self.path.write_text(kept)
         self.rows = 0
 
     def row(self, metrics: dict[str, Any]) -> None:
@@ -350,6 +378,13 @@ class Report:
         self.rows += 1
 
 
+def _step(line: str) -> float:
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf  # not a row of ours
+
+
 def describe_consistency(rep) -> str:
     head = f"consistency at step {rep.step}: "
     if rep.ok:
@@ -359,6 +394,32 @@ def describe_consistency(rep) -> str:
         + (f" (max |diff| {m.max_abs_diff:.3g})" if m.max_abs_diff is not None else "")
         for m in rep.mismatches
     )
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def _number(version: Any) -> int | None:
+    try:
+        return int(str(version))
+    except ValueError:
+        return None
+
+
+def version_after_resume(client, resumed: Checkpoint) -> int:
+    """The weight version that labels the checkpoint's weights on the servers: past every
+    version they hold and every one the checkpoint's run pushed, so a version names one set of
+    weights (the servers moved on after the checkpoint, under labels that the resumed run
+    will not reuse). Rank 0 asks the servers; every rank gets its answer."""
+    found: list[Any] = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        held = client.run(client.weight_versions()).values()
+        numbers = [n for n in map(_number, held) if n is not None]
+        numbers.append(int(resumed.extra.get("weight_version", resumed.step)))
+        found[0] = max(numbers) + 1
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(found, src=0)
+    return found[0]
 
 
 # --------------------------------------------------------------------------- main
@@ -393,10 +454,23 @@ def main(argv: list[str]) -> None:
         model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
     )
     watch(model, optimizer)  # what `areal doctor diverge` compares in this job
+    ckpt = resumed = None
+    if cfg.save_every > 0 or cfg.resume:
+        ckpt = Checkpointer(cfg.checkpoint_dir, keep=cfg.keep)
+        if cfg.resume:
+            resumed = ckpt.load(model, optimizer)
+        else:
+            removed = ckpt.clear()
+            if removed and ctx.is_main:
+                print(f"resume=false: removed {removed} checkpoint(s) in {ckpt.root}", flush=True)
+    start = resumed.step if resumed is not None else 0
+    # Where the prompts go on from: saved, so a run resumed with another prompts_per_step
+    # neither repeats nor skips any.
+    data_position = int(resumed.extra.get("data_position", 0)) if resumed is not None else 0
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     stop_ids = sorted({tokenizer.eos_token_id} - {None})
     weights_dir = Path(cfg.weights_dir or ctx.log_dir / "weights")
-    report = Report(ctx.log_dir) if ctx.is_main else None
+    report = Report(ctx.log_dir, start if resumed is not None else None) if ctx.is_main else None
     if report is not None:
         from rich.markup import escape
 
@@ -413,29 +487,41 @@ def main(argv: list[str]) -> None:
         (ctx.log_dir / "grpo_config.json").write_text(json.dumps(asdict(cfg), indent=2))
 
     # Servers an earlier run updated hold other weights: the first rollout must not sample
-    # from them (off-policy from step 0).
+    # from them (off-policy from step 0). After a resume they hold what the run that died
+    # pushed after its checkpoint: they get the checkpoint's weights, whatever they report.
+    first_version = 0 if resumed is None else version_after_resume(client, resumed)
     aligned = align_servers(
         model,
         client,
-        str(model_path),
+        str(model_path if resumed is None else resumed.path),
         method=cfg.sync_method,
         path=weights_dir if cfg.sync_method == "disk" else None,
-        version=0,
+        version=first_version,
         tokenizer_from=model_path,
         dtype=sync_dtype,
         timeout=cfg.sync_timeout,
     )
+    # The version pushed after step k: one past the one before, across resumes too.
+    version_base = first_version - start
     if report is not None:
         from rich.markup import escape
 
+        if resumed is not None:
+            report.console.print(
+                f"resumed from {escape(str(resumed.path))} at step {start} (data position "
+                f"{data_position})",
+                soft_wrap=True,
+            )
         report.console.print(escape(describe(aligned)), soft_wrap=True)
     version: Any = aligned["version"] if aligned["synced"] else None
+    pushed = first_version  # the newest version this run put on the servers
     sync_failed: list[str] = sorted(aligned["failed"])
-    for step in range(cfg.steps):
+    for step in range(start, cfg.steps):
         t_start = time.perf_counter()
 
         # 1. rollout: this rank's share of the step's prompts, group_size samples each
-        first = step * cfg.prompts_per_step
+        first = data_position
+        data_position += cfg.prompts_per_step
         mine = range(first + ctx.dp_rank, first + cfg.prompts_per_step, ctx.dp_size)
         prompts = [task.prompt_ids(i) for i in mine]
         groups = client.run(
@@ -487,15 +573,23 @@ def main(argv: list[str]) -> None:
                 client,
                 weights_dir if cfg.sync_method == "disk" else None,
                 method=cfg.sync_method,
-                version=step + 1,
+                version=version_base + step + 1,
                 tokenizer_from=model_path,
                 dtype=sync_dtype,
                 timeout=cfg.sync_timeout,
             )
             version = synced["version"]
+            pushed = version_base + step + 1
             sync_failed = sorted(synced["failed"])
         else:
             version = groups[0][0].weight_version if groups and groups[0] else version
+
+        # 5. checkpoint: in the background, so this step pays only the copy to CPU memory
+        t_save = time.perf_counter()
+        if ckpt is not None and cfg.save_every > 0:
+            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+                ckpt.save(step + 1, model, optimizer,
+                          extra={"data_position": data_position, "weight_version": pushed})  # fmt: skip
         t_end = time.perf_counter()
 
         ctx.progress(step)  # the watchdog (areal train --watchdog) hears of every step
@@ -527,7 +621,8 @@ def main(argv: list[str]) -> None:
                     "tokens_per_s": tokens / step_time,
                     "rollout_s": t_rollout - t_start,
                     "train_s": t_train - t_rollout,
-                    "sync_s": t_end - t_train,
+                    "sync_s": t_save - t_train,
+                    "checkpoint_s": t_end - t_save,
                     "step_time_s": step_time,
                     # servers the sync could not reach (they keep their old weights, unused)
                     "sync_failed": sync_failed,
@@ -538,6 +633,8 @@ def main(argv: list[str]) -> None:
         if not math.isfinite(stats["loss"]):
             raise SystemExit(f"error: loss is {stats['loss']} at step {step}")
 
+    if ckpt is not None:
+        ckpt.close()  # the last save is whole before the job ends
     client.close_sync()
 
 

@@ -107,7 +107,7 @@ def test_a_server_killed_mid_training_costs_no_step(tiny, areal_env):
 
 def test_the_last_server_dying_is_a_clear_failure(tiny, areal_env):
     home, _ = areal_env
-    (server,) = serve(tiny)
+    (server,) = serve(tiny, "--max-restarts", "0")  # dead for good
     proc = _train_in_background(steps=200)
     try:
         _wait_steps(home, 2, proc)

@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--servers", required=True)
     ap.add_argument("--syncs", type=int, default=1)
     ap.add_argument("--method", default="distributed")
+    ap.add_argument("--backend", default="hf", help="the engine the servers run")
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--bucket-bytes", type=int, default=256 << 20)
     ap.add_argument("--wait-file", default=None)
@@ -51,7 +52,7 @@ def main() -> None:
     from areal_cli.worker.rollout import RolloutClient
 
     os.environ.setdefault("AREAL_LLM_SERVER_ADDRS", args.servers)
-    os.environ.setdefault("AREAL_SERVER_BACKEND", "hf")
+    os.environ.setdefault("AREAL_SERVER_BACKEND", args.backend)
     ctx = connect()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
@@ -59,7 +60,8 @@ def main() -> None:
         model = shard_model(model, ctx.mesh)
     client = RolloutClient(
         args.servers.split(","),
-        backend="hf",
+        backend=args.backend,
+        api_key=os.environ.get("AREAL_API_KEY") or None,
         retries=0,
         cooldown=1.0,
         stall_timeout=args.stall_timeout,

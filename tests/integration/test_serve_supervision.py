@@ -147,9 +147,9 @@ def test_replica_crashing_at_start_is_reported_root_cause_first(model, areal_env
 
 def test_lost_replica_is_deregistered_and_others_keep_serving(model, areal_env, tmp_path):
     home, reg = areal_env
-    out = json.loads(
-        areal(*fake_serve_args(model, "--alloc", "hf:d2", "--detach", "--json"), check=0).stdout
-    )
+    # Not restarted (--max-restarts 0): a lost replica as such (test_server_heal restarts).
+    args = fake_serve_args(model, "--alloc", "hf:d2", "--max-restarts", "0", "--detach", "--json")
+    out = json.loads(areal(*args, check=0).stdout)
     try:
         victim = out["servers"][0]
         p = psutil.Process(victim["pid"])

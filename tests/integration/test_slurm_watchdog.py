@@ -93,3 +93,37 @@ def test_fail_mode_ends_the_stalled_job_and_exits_1_with_the_verdict_first(slurm
     assert len(servers) == 1 and servers[0].startswith("server-n1-pid"), servers
     assert servers[0].endswith(".json")
     assert_nothing_left(slurm_env, home, registry, rec["job_id"])
+
+
+def test_auto_follows_the_step_time_in_the_batch_job(slurm_env, areal_env):
+    """No --watchdog: auto, decided by the watcher in the batch job from the step times the
+    ranks report on their nodes. Steps of 0.3 s, then the hang: the floor (20 s) applies."""
+    from areal_cli.diagnose import watchdog
+
+    home, registry = areal_env
+    proc = subprocess.run(
+        [AREAL, *TRAIN[:-2], "--detach", SCRIPT],
+        env={**os.environ, "STALL_RANK": "1", "STEPS": "10", "STEP_S": "0.3"},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job = record(home, "train")["job_id"]
+    try:
+
+        def verdict() -> str | None:
+            try:
+                text = (log_dir(home) / "watchdog.log").read_text()
+            except (OSError, AssertionError):
+                return None
+            return text if "verdict" in text else None
+
+        text = wait_for(verdict, 180, "no verdict", interval=0.2)
+        line = f"no rank progressed for {watchdog.FLOOR:g}s (auto: 10x the median step"
+        assert line in text and "verdict mismatched_collective (odd ranks 1)" in text, text
+        stall = json.loads((Path(text.split("bundle ", 1)[1].split()[0]) / "verdict.json")
+                           .read_text())  # fmt: skip
+        assert stall["limit_s"] == watchdog.FLOOR and stall["idle_s"] >= stall["limit_s"]
+        assert stall["latency_s"] <= stall["limit_s"] + 10, stall
+    finally:
+        areal("stop", "default/trial0", check=0)
+    assert_nothing_left(slurm_env, home, registry, job)

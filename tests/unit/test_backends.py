@@ -274,3 +274,46 @@ def test_a_generated_key_never_looks_like_a_flag(monkeypatch):
     draws = iter(["-starts-with-a-dash", "_fine-key"])
     monkeypatch.setattr(secrets, "token_urlsafe", lambda n: next(draws))
     assert resolve_api_key("auto") == "_fine-key"
+
+
+@pytest.mark.parametrize("name", ["sglang", "vllm", "hf"])
+@pytest.mark.parametrize("api_key", [None, "k"])
+def test_each_engine_knows_the_command_lines_it_plans(name, api_key):
+    # `areal ps` tells a job's servers by their recorded argv (control.backend_of): the argv
+    # an engine plans, with or without a key (SGLang's then starts through our launcher).
+    from areal_cli import control
+
+    engine = backends.get(name)
+    for on_gpu in (True, False):
+        argv = engine.argv(role(name), 30000, api_key, on_gpu=on_gpu)
+        assert control.backend_of(argv) == name, argv
+        assert control.backend_of(engine.node_argv(argv)) == name
+    assert control.backend_of(["python", "-m", "http.server"]) is None
+
+
+def test_engines_are_told_apart_by_their_answers():
+    # /server_info as each answers it (hf names itself; vLLM's dev mode has its config;
+    # SGLang gives its launch arguments), else who /v1/models says owns the models.
+    assert backends.identify({"backend": "hf", "model_path": "m"}, None) == "hf"
+    assert backends.identify({"vllm_config": {}}, None) == "vllm"
+    assert backends.identify({"model_path": "m", "tp_size": 1}, None) == "sglang"
+    assert backends.identify(None, {"vllm"}) == "vllm"
+    assert backends.identify(None, {"vllm", "someone"}) is None
+    assert backends.identify(None, None) is None
+
+
+def test_the_features_the_core_asks_for():
+    sglang, vllm, hf = (backends.get(n) for n in ("sglang", "vllm", "hf"))
+    assert backends.default_for(True) == "sglang" and backends.default_for(False) == "hf"
+    # The reference engine speaks SGLang's protocol: AReaL takes it for SGLang.
+    assert hf.protocol is sglang.protocol is not vllm.protocol
+    assert hf.areal_engine == sglang.areal_engine == "sglang" and vllm.areal_engine == "vllm"
+    assert not hf.multi_gpu_replica and sglang.multi_gpu_replica and vllm.multi_gpu_replica
+    assert "NCCL_CUMEM_ENABLE" in sglang.trainer_env() and not vllm.trainer_env()
+    # One server over two nodes: SGLang's flags on every node, vLLM's followers headless.
+    assert sglang.multi_node_argv(role("sglang"), ["x"], 2)[1] == []
+    assert vllm.multi_node_argv(role("vllm"), ["x"], 2)[1] == ["--headless"]
+    with pytest.raises(UsageError, match="hf cannot run one server over several nodes"):
+        hf.multi_node_argv(role("hf"), ["x"], 2)
+    # An unknown name (a record any engine may have written) is the fallback's protocol.
+    assert backends.find("nope") is None and backends.resolve("nope").name == backends.FALLBACK

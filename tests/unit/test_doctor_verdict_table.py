@@ -48,7 +48,7 @@ def test_every_row_has_a_judge_and_every_judge_a_row():
     assert len({r.priority for r in hang_rules.RULES}) == len(hang_rules.RULES)
     assert all(r.advice in hang_rules.ADVICE and r.why and r.means for r in hang_rules.RULES)
     assert verdict.KINDS == hang_rules.KINDS and verdict.HANGS == hang_rules.HANGS
-    table = hang_rules.markdown().splitlines()[2:]  # the README's table, from the rows
+    table = hang_rules.markdown().splitlines()[2:]  # docs/doctor.md's table, from the rows
     assert [line.split("`")[1] for line in table] == list(hang_rules.KINDS)
 
 

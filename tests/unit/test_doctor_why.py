@@ -163,13 +163,21 @@ class _Reclaiming(Scheduler):
     killed_by = "the cluster reclaiming its nodes"
 
 
-def test_who_kills_a_job_is_what_its_scheduler_declares(monkeypatch):
-    from areal_cli import schedulers
+def test_who_kills_a_job_is_what_its_scheduler_declares(tmp_path, monkeypatch):
+    from areal_cli import plugins
+    from tests.plugins import dist
 
-    monkeypatch.setitem(schedulers.NAMES, "reclaim", f"{__name__}:_Reclaiming")
-    (ev,) = why.record_events("killed", None, scheduler="reclaim")
-    assert (ev.kind, ev.sender) == ("signal", "the cluster reclaiming its nodes")
-    assert why.record_events("killed", None, scheduler="no-such-scheduler") == []
+    # A scheduler installed as a distribution of its own (its entry point on sys.path).
+    group = {plugins.SCHEDULERS: {"reclaim": f"{__name__}:_Reclaiming"}}
+    monkeypatch.syspath_prepend(str(dist.make(tmp_path, "reclaim", group)))
+    plugins.refresh()
+    try:
+        (ev,) = why.record_events("killed", None, scheduler="reclaim")
+        assert (ev.kind, ev.sender) == ("signal", "the cluster reclaiming its nodes")
+        assert why.record_events("killed", None, scheduler="no-such-scheduler") == []
+    finally:
+        monkeypatch.undo()
+        plugins.refresh()
 
 
 def test_a_stop_from_areal_outranks_what_the_stopped_ranks_say():

@@ -681,3 +681,61 @@ def test_a_refused_control_call_prints_each_servers_answer_and_an_empty_set_is_n
             )
 
     run(main())
+
+
+def test_a_restarted_server_gets_no_rollout_until_a_sync_reaches_it():
+    # Discovery lists each server as (pid, start); a restart lists it anew, at its base weights.
+    async def main():
+        a, b = Stub("sglang"), Stub("sglang")
+        addrs = await _started(a, b)
+        listed = {addrs[0]: (1, 1.0), addrs[1]: (2, 1.0)}
+        try:
+            async with RolloutClient(addrs, backend="sglang", discover=lambda: dict(listed),
+                                     discover_every=0) as client:  # fmt: skip
+                await client.update_weights_from_disk("/ckpt/3", version="3")
+                await client.generate_batch([[1]], n=4, max_new_tokens=1)
+                # Out of discovery (its runner took it out: dead, restarting): no requests.
+                del listed[addrs[0]]
+                before = a.requests
+                got = await client.generate_batch([[1]], n=8, max_new_tokens=1)
+                assert {c.server for g in got for c in g} == {addrs[1]} and a.requests == before
+                # Back under another process, at its base weights: asked, never sampled.
+                a.version = "default"
+                listed[addrs[0]] = (3, 2.0)
+                got = await client.generate_batch([[1]], n=8, max_new_tokens=1)
+                assert {c.server for g in got for c in g} == {addrs[1]}
+                assert a.requests == before and client.server(addrs[0]).reset
+                assert {c.weight_version for g in got for c in g} == {"3"}
+                # Another rank's client synced it: its version moved on, it is back.
+                a.version = "4"
+                b.version = "4"
+                got = await client.generate_batch([[1]], n=16, max_new_tokens=1)
+                assert {c.server for g in got for c in g} == set(addrs)
+                assert {c.weight_version for g in got for c in g} == {"4"}
+        finally:
+            await _stopped(a, b)
+
+    run(main())
+
+
+def test_a_server_restarted_unseen_has_its_samples_discarded():
+    # No discovery, no failure seen: the first completion at its base weights tells.
+    async def main():
+        a, b = Stub("sglang"), Stub("sglang")
+        addrs = await _started(a, b)
+        try:
+            async with RolloutClient(addrs, backend="sglang") as client:
+                await client.update_weights_from_disk("/ckpt/5", version="5")
+                a.version = "default"
+                got = await client.generate_batch([[1]], n=16, max_new_tokens=1)
+                assert {c.weight_version for g in got for c in g} == {"5"}
+                assert {c.server for g in got for c in g} == {addrs[1]}
+                assert client.server(addrs[0]).reset and client.server(addrs[0]).stale
+                # The next sync reaches it: back in rotation.
+                await client.update_weights_from_disk("/ckpt/6", version="6")
+                got = await client.generate_batch([[1]], n=16, max_new_tokens=1)
+                assert {c.server for g in got for c in g} == set(addrs)
+        finally:
+            await _stopped(a, b)
+
+    run(main())

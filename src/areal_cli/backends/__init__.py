@@ -1,4 +1,10 @@
-"""Inference backends: how to launch one replica and how to tell it is ready.
+"""Inference backends: how to launch one replica and how to tell it is ready, and what
+differs between engines, declared on the engine and asked by the core, which never names one
+(tests/unit/test_engine_names.py): its protocol module, whether a replica may hold several
+GPUs, how it spans nodes, what its trainers need in their environment, how to tell it paused,
+how to recognize it from its argv or its answers, what AReaL's trainer takes it for, and which
+engine is the default on a host with or without GPUs. An engine is an entry point of group
+areal_cli.engines (plugins.py): a Backend, built in or from another distribution.
 
 Each backend turns (role, port, host) into the argv and environment of one server replica.
 GPUs are handed over by CUDA_VISIBLE_DEVICES slices, so every replica counts its GPUs from 0.
@@ -25,6 +31,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from types import ModuleType
 
 from areal_cli.backends import protocol_sglang, protocol_vllm
 from areal_cli.errors import UsageError
@@ -60,6 +67,79 @@ class Backend:
     cpu_probe: str = ""
     # Modules whose files the probe's answer depends on (besides `package`).
     cpu_stamp: tuple[str, ...] = ()
+    # The module of the wire protocol it speaks (routes, bodies, replies, pause modes,
+    # version spans, native weight transfer): see backends/protocol.py.
+    protocol_module: str = "areal_cli.backends.protocol_sglang"
+    # Whether one replica may hold several GPUs (t·p > 1, or span nodes).
+    multi_gpu_replica: bool = True
+    # The distributions that install the engine (`doctor check` reports their versions).
+    distributions: tuple[str, ...] = ()
+    # Whether the engine writes its API key into its own log (so its logs must be private).
+    logs_api_key: bool = False
+    # Whether it takes a distributed weight update only inside a begin/end session, which
+    # the older protocol a pinned AReaL trainer speaks never opens: such a trainer's
+    # process-group sync works only against the engine version AReaL pins.
+    update_session_required: bool = False
+    # The word AReaL's `rollout.backend` takes for a server of this engine (default: its
+    # name); an engine that speaks another's protocol is that one to AReaL.
+    areal_name: str = ""
+    # Whether AReaL's trainer reads the engine package's version in its own interpreter
+    # before it talks to such servers (SGLang: areal/api/cli_args.py SGLangConfig.build_args).
+    areal_reads_metadata: bool = False
+    # Which engine `areal serve` picks when none is named: on a host with GPUs, on one without.
+    default_on_gpu: bool = False
+    default_on_cpu: bool = False
+    # areal's own server (areal_cli.server): areal's interpreter runs it, its version is
+    # areal's, and it counts the requests it answered with errors in its /server_info (an
+    # engine's are read from the access log its runner writes).
+    built_in: bool = False
+
+    @property
+    def protocol(self):
+        """The protocol module (backends/protocol.py lists what each one exposes)."""
+        import importlib
+
+        return importlib.import_module(self.protocol_module)
+
+    @property
+    def areal_engine(self) -> str:
+        return self.areal_name or self.name
+
+    def trainer_env(self) -> dict[str, str]:
+        """Environment of the training ranks that talk to servers of this engine."""
+        return {}
+
+    def node_argv(self, argv: list[str]) -> list[str]:
+        """The replica's argv where it is planned for a node whose GPUs only that node knows
+        (Slurm, Ray): the plan cannot say CPU or GPU for it."""
+        return list(argv)
+
+    def multi_node_argv(
+        self, role: ServerRole, argv: list[str], span: int
+    ) -> tuple[list[str], list[str]]:
+        """(argv of every node, args added on the nodes after the first) of one server over
+        `span` nodes. The runners meet at an address the first node picks ({dist_addr},
+        {dist_host}:{dist_port}); {node_rank} is each node's place."""
+        raise UsageError(f"{self.name} cannot run one server over several nodes")
+
+    def launched_by(self, argv: list[str]) -> bool:
+        """Whether a process's command line runs this engine (a job record keeps the argv)."""
+        return False
+
+    def claims_server_info(self, info: dict) -> bool:
+        """Whether a /server_info answer (a JSON object) names this engine."""
+        return False
+
+    def claims_model_owners(self, owners: set) -> bool:
+        """Whether the `owned_by` of every model its /v1/models lists names this engine."""
+        return False
+
+    def paused_query(self):
+        """(path, parser) of the route that says whether it is paused, or None: the protocol
+        module's readiness answers decide (see control.paused)."""
+        proto = self.protocol
+        path = getattr(proto, "PAUSED_PATH", None)
+        return (path, proto.parse_paused) if path else None
 
     def argv(self, role: ServerRole, port: int, api_key: str | None, on_gpu: bool) -> list[str]:
         """The replica's command line; `api_key` only says whether there is one (it goes
@@ -147,6 +227,19 @@ class SGLang(Backend):
             return [sys.executable, "-m", "areal_cli.backends.sglang_launch", "--", *cmd]
         return cmd
 
+    def trainer_env(self):
+        # NCCL's cuMem allocator and NVLink SHARP clash with SGLang's in the same job.
+        return {"NCCL_CUMEM_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+
+    def multi_node_argv(self, role, argv, span):
+        # --dist-init-addr --nnodes --node-rank on every node
+        # (srt/arg_groups/fields/parallel.py:32-44).
+        extra = ["--dist-init-addr", "{dist_addr}", "--nnodes", str(span)]
+        return argv + extra + ["--node-rank", "{node_rank}"], []
+
+    def launched_by(self, argv):
+        return "sglang.launch_server" in argv
+
     def first_request(self, role):
         # None unless its warm-up is off: /ready answering proves one (protocol_sglang).
         req = protocol_sglang.first_request(role.extra_args)
@@ -212,6 +305,26 @@ class VLLM(Backend):
     def fixed_env(self, role):
         return {"VLLM_SERVER_DEV_MODE": "1"}
 
+    def multi_node_argv(self, role, argv, span):
+        # --nnodes --node-rank --master-addr --master-port, and --headless on the nodes after
+        # the first (engine/arg_utils.py:1175-1178, entrypoints/cli/serve.py:69-76).
+        extra = ["--nnodes", str(span), "--node-rank", "{node_rank}"]
+        extra += ["--master-addr", "{dist_host}", "--master-port", "{dist_port}"]
+        return argv + extra, ["--headless"]
+
+    def launched_by(self, argv):
+        # Ours (see `argv`), or the `vllm serve` command.
+        if "vllm.entrypoints.openai.api_server" in argv:
+            return True
+        return "serve" in argv and any(a.endswith(self.name) for a in argv)
+
+    def claims_server_info(self, info):
+        # Its dev mode serves /server_info too: {"vllm_config": ...}.
+        return "vllm_config" in info
+
+    def claims_model_owners(self, owners):
+        return owners == {self.name}
+
     def first_request(self, role):
         return list(protocol_vllm.first_request(role.extra_args))
 
@@ -242,6 +355,23 @@ class HF(Backend):
         cmd += ["--host", role.host, "--port", str(port), "--seed", str(role.seed)]
         cmd += ["--device", "cuda" if on_gpu else "cpu"]
         return cmd + list(role.extra_args)
+
+    def node_argv(self, argv):
+        # Whether CUDA works is known on the node only (Slurm, Ray bind the GPUs there).
+        out = list(argv)
+        if "--device" in out:
+            out[out.index("--device") + 1] = "auto"
+        return out
+
+    def launched_by(self, argv):
+        return "areal_cli.server" in argv
+
+    def claims_server_info(self, info):
+        return info.get("backend") == self.name
+
+    def paused_query(self):
+        # Its /server_info says whether it is paused; when it cannot, readiness tells.
+        return (protocol_sglang.SERVER_INFO_PATHS[0], protocol_sglang.parse_paused_info)
 
 
 # Run by the server's interpreter (its own virtualenv, without areal_cli): stdlib only but
@@ -274,6 +404,11 @@ BACKENDS: dict[str, Backend] = {
         cpu_probe=_SGLANG_CPU_PROBE,
         cpu_stamp=("sgl_kernel",),
         ready_path=protocol_sglang.READINESS_PATH,
+        distributions=("sglang",),
+        areal_reads_metadata=True,
+        logs_api_key=True,
+        update_session_required=True,
+        default_on_gpu=True,
     ),
     "vllm": VLLM(
         "vllm",
@@ -282,24 +417,121 @@ BACKENDS: dict[str, Backend] = {
         key_env="VLLM_API_KEY",
         cpu_probe=_VLLM_CPU_PROBE,
         ready_path=protocol_vllm.READINESS_PATH,
+        protocol_module="areal_cli.backends.protocol_vllm",
+        distributions=("vllm", "vllm-cpu"),
     ),
-    "hf": HF("hf", package="areal_cli.server", extra="", needs_gpu=False),
+    # The reference engine: SGLang's protocol, so AReaL's trainer takes it for SGLang.
+    "hf": HF(
+        "hf",
+        package="areal_cli.server",
+        extra="",
+        needs_gpu=False,
+        multi_gpu_replica=False,
+        areal_name="sglang",
+        default_on_cpu=True,
+        built_in=True,
+    ),
 }
+# The engine a server is taken to run when nothing says which (an address given by hand
+# that no probe identifies, an old registry entry): SGLang's protocol, which AReaL's servers
+# and the reference engine speak.
+FALLBACK = "sglang"
+# What the entry points of group areal_cli.engines name (pyproject.toml).
+ENGINE_SGLANG, ENGINE_VLLM, ENGINE_HF = (BACKENDS[n] for n in ("sglang", "vllm", "hf"))
 
 
 def get(name: str) -> Backend:
+    """The engine `name` (or one of its aliases), from its entry point in group
+    areal_cli.engines: a Backend, or a Backend subclass made with no arguments."""
+    from areal_cli import plugins
+
+    if name not in _LOADED:
+        found = plugins.load(plugins.ENGINES, name)
+        if isinstance(found, type) and issubclass(found, Backend):
+            found = found()
+        if not isinstance(found, Backend):
+            raise UsageError(
+                f"backend {name!r}: its entry point names {found!r}, not an engine",
+                hint="an entry point of areal_cli.engines names a Backend of "
+                "areal_cli.backends, or a subclass of it",
+            )
+        _LOADED[name] = found
+    return _LOADED[name]
+
+
+_LOADED: dict[str, Backend] = {}
+
+
+def names() -> tuple[str, ...]:
+    """The installed engines' names (aliases left out), in the order they were declared."""
+    from areal_cli import plugins
+
+    return tuple(plugins.names(plugins.ENGINES))
+
+
+def all_backends() -> list[Backend]:
+    """Every engine that loads: one whose plug-in is broken is left out of what the core
+    asks all engines (which engine answers there, the default), and named when asked for."""
+    return [b for n in names() if (b := find(n)) is not None]
+
+
+def find(name: str | None) -> Backend | None:
+    """The engine called `name`, or None for an unknown (or empty) name."""
+    if not name:
+        return None
     try:
-        return BACKENDS[name]
-    except KeyError:
-        raise UsageError(
-            f"unknown backend {name!r}", hint=f"choose one of: {', '.join(BACKENDS)}"
-        ) from None
+        return get(name)
+    except UsageError:
+        return None
+
+
+def resolve(name: str | None) -> Backend:
+    """The engine called `name`; the fallback engine for an unknown or missing one (a name
+    read from a server's record, where any engine may have written it)."""
+    return find(name) or get(FALLBACK)
+
+
+def protocol_for(name: str | None) -> ModuleType:
+    """The protocol module engine `name` speaks (its `protocol_module`); that of the fallback
+    engine for a name no engine has."""
+    return resolve(name).protocol
+
+
+def default_for(on_gpu: bool) -> str:
+    """The engine `areal serve` runs when none is named, on a host with GPUs or without."""
+    for b in all_backends():
+        if b.default_on_gpu if on_gpu else b.default_on_cpu:
+            return b.name
+    return FALLBACK
+
+
+def identify(server_info: dict | None, model_owners: set | None) -> str | None:
+    """Which engine a server is from its answers: its /server_info (a JSON object, None when
+    it gave none), else the owners of the models its /v1/models lists."""
+    if server_info is not None:
+        for b in all_backends():
+            if b.claims_server_info(server_info):
+                return b.name
+        return FALLBACK  # SGLang answers /server_info with its launch arguments
+    if model_owners is not None:
+        for b in all_backends():
+            if b.claims_model_owners(model_owners):
+                return b.name
+    return None
+
+
+def launched_by(argv: list[str]) -> str | None:
+    """Which engine a server's command line runs (None: none of them)."""
+    for b in all_backends():
+        if b.launched_by(argv):
+            return b.name
+    return None
 
 
 def check_installed(backend: Backend, python: str, on_gpu: bool = True) -> None:
     """Refuse early when the backend's package is missing from the interpreter that runs it,
     or, on a host without GPUs, when that interpreter's engine has no CPU build."""
-    if backend.name == "hf" and os.path.realpath(python) == os.path.realpath(sys.executable):
+    if backend.built_in and os.path.realpath(python) == os.path.realpath(sys.executable):
         return  # our own interpreter runs our own server
     probe = _FIND_PROBE % (backend.package, (backend.package, *backend.cpu_stamp))
     try:

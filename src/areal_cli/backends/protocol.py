@@ -1,7 +1,7 @@
 """Each engine's wire protocol, as pure data: routes, request bodies, reply parsers.
 
 One module per protocol (`protocol_sglang`, spoken by SGLang and by areal's `hf` server;
-`protocol_vllm`), each exposing the same names, picked with `for_backend`. They build and
+`protocol_vllm`), each exposing the same names, picked with `backends.protocol_for`. They build and
 read what goes over HTTP and nothing else: the pool, failover and timeouts live in
 `worker/rollout.py`, the stdlib calls of a teardown in `control.py`. Stdlib only, so the
 CLI's start-up path (`areal ps`, discovery) can use them without aiohttp or torch.
@@ -10,7 +10,6 @@ CLI's start-up path (`areal ps`, discovery) can use them without aiohttp or torc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 
@@ -55,14 +54,3 @@ def version_tuple(raw: Any) -> tuple[int, ...] | None:
             return None
         parts.append(int(digits))
     return tuple(parts) if len(parts) == 2 else None
-
-
-def for_backend(backend: str) -> ModuleType:
-    """The protocol module a backend speaks: vllm its own, sglang and hf SGLang's."""
-    if backend == "vllm":
-        from areal_cli.backends import protocol_vllm
-
-        return protocol_vllm
-    from areal_cli.backends import protocol_sglang
-
-    return protocol_sglang

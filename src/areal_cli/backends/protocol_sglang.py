@@ -52,6 +52,8 @@ NOT_FOUND_HINT = None
 # Its weights move over a torch.distributed group that the trainer and the servers join
 # (the routes above), not over a transfer engine of the server's own.
 NATIVE_WEIGHT_TRANSFER = False
+# Whether readiness tells a paused server (/ready 503, /ping 200) from a running one.
+PAUSED_BY_READINESS = True
 
 # Readiness (sglang 0.5.23, srt/entrypoints/http_server.py). /health answers 503 while the
 # server's status is Starting (:735-736), and after that runs a one-token generation and

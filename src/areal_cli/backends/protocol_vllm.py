@@ -54,6 +54,8 @@ NOT_FOUND_HINT = (
 # Its weights move over its own weight-transfer engine (the routes above: a communicator of
 # its own, NCCL only, one rank per worker of /get_world_size), not a torch group.
 NATIVE_WEIGHT_TRANSFER = True
+# Its paused state is only what PAUSED_PATH says (readiness does not change).
+PAUSED_BY_READINESS = False
 # It has no owner of its weights to give back (areal's hf server has, for one trainer at a
 # time).
 RELEASE_OWNER_PATH = None

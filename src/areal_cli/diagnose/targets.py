@@ -349,16 +349,16 @@ def _from_job(name: str, home: str | Path | None) -> Job:
     if len(parts) != 2 or not all(parts):
         raise UsageError(f"job name {name!r} is not EXPERIMENT/TRIAL", hint="see `areal ps`")
     found = schedulers.known_jobs(*parts, home=settings.home(home))
-    jobs = [s.describe(h) for s, h in found]
-    jobs = [j for j in jobs if j is not None]
+    jobs = [(s, s.describe(h)) for s, h in found]
+    jobs = [(s, j) for s, j in jobs if j is not None]
     if not jobs:
         raise UsageError(
             f"no job {name} under {settings.home(home)}",
             hint="`areal ps --all` lists the jobs this home knows",
         )
     # The training job if there is one: that is where ranks live.
-    job = next((j for j in jobs if j.handle.kind != "serve"), jobs[0])
-    if job.handle.job_id:
+    sched, job = next(((s, j) for s, j in jobs if j.handle.kind != "serve"), jobs[0])
+    if sched.reaches_nodes and job.handle.job_id:
         return _from_cluster_job(job)
     from areal_cli import procs
 

@@ -11,8 +11,14 @@ Progress, per rank, best evidence first:
                /proc, as the hang doctor's own wake-up evidence; a thread blocked in a
                collective or a lock does neither
 
-The job is stalled when no rank moved for SECONDS. A rank that spins in one loop looks alive by
-movement; a reporting job catches it (its reports stop).
+The job is stalled when no rank moved for its limit. A rank that spins in one loop looks alive
+by movement; a reporting job catches it (its reports stop).
+
+The limit, `--watchdog auto` (the default): a rank that reports steps also says the seconds
+between its last ones (worker/channel.py); once MIN_STEPS of them are known, the limit is
+FACTOR x the median step (of the slowest rank), held between FLOOR and the fixed SECONDS
+(300 s), which is the limit before that and whenever no rank reports steps. `--watchdog
+SECONDS` is that limit throughout.
 
 Scheduler-independent: the local supervisor runs `Watchdog` in a thread of its own over the
 ranks under its torchruns; a cluster scheduler calls `watch_nodes` with its job, its nodes and
@@ -29,7 +35,9 @@ the stall is still said, with why the bundle is missing, and acted on.
 from __future__ import annotations
 
 import json
+import math
 import os
+import statistics
 import sys
 import threading
 import time
@@ -50,6 +58,21 @@ REFUSED_EVERY = 5.0
 # in the log before a timeout ends the job and takes the evidence with it; a healthy step (a
 # long generation, a long weight sync) may take up to 0.8 x that, 240 s, without a verdict.
 DEFAULT_SECONDS = 300.0
+AUTO = "auto"
+# `--watchdog auto`, from the GRPO example (tiny model, 2 CPU ranks, an hf server; the times
+# between its ranks' step reports, 100 steps, benchmarks/bench_watchdog_auto.py): the slowest
+# step was 2.5-2.8x the median of the 20 before it (the first weights written to disk and
+# reloaded by the server, its checkpoints, a consistency check every 10 steps), 4.6x at a
+# load average of 31; 4x the generated tokens made the median step 1.8-2.4x. FACTOR: a step
+# 4x the others is no stall, with 2x to spare for a loaded host (steps drifted 3x over one
+# run as the host's load rose). FLOOR: pauses the median cannot foresee in a job of short
+# steps (a real model's checkpoint save, the page cache, a loaded host), plus the look (up to
+# 2 s) and the doctor; 0.3 s steps still get a verdict within half a minute (21.2-21.4 s after
+# the last step, measured). The median of the last STEP_TIMES (20, worker/channel.py) follows
+# a drift within 10 steps; MIN_STEPS: one slow first step cannot make the median.
+FACTOR = 10.0
+FLOOR = 20.0
+MIN_STEPS = 5  # step times known (of ctx.progress) before the median is trusted
 WOKEN = 2  # wake-ups of a main thread between two looks that count as movement
 LOG_NAME = "watchdog.log"
 TAIL = 50  # lines of each rank's log kept in the bundle
@@ -68,6 +91,8 @@ class Stall:
     reached: dict[str, dict] = field(default_factory=dict)
     latency_s: float = 0.0  # from the last progress to the verdict
     bundle_error: str | None = None  # what of the bundle could not be written, and why
+    limit_s: float | None = None  # the limit that applied (seconds without progress)
+    limit: str = ""  # how it was chosen (`--watchdog auto`), "" when fixed
 
     def headline(self) -> str:
         odd = f" (odd ranks {','.join(map(str, self.odd_ranks))})" if self.odd_ranks else ""
@@ -84,6 +109,8 @@ class Stall:
             "bundle": self.bundle,
             "bundle_error": self.bundle_error,
             "reached": self.reached,
+            "limit_s": None if self.limit_s is None else round(self.limit_s, 2),
+            "limit": self.limit,
         }
 
 
@@ -109,16 +136,17 @@ def _main_thread(pid: int) -> tuple[int, int] | None:
 
 
 def look(pid: int) -> tuple:
-    """This rank's evidence now: ("reports", count) or ("movement", ticks, switches), or
-    ("gone",)."""
+    """This rank's evidence now: ("reports", count, step intervals) or ("movement", ticks,
+    switches), or ("gone",)."""
     from areal_cli.worker import channel
 
     path = channel.find(pid)
     if path is not None:
         try:
-            count = int(channel.ask_path(path, "progress", timeout=2.0).get("count") or 0)
+            got = channel.ask_path(path, "progress", timeout=2.0)
+            count = int(got.get("count") or 0)
             if count > 0:
-                return ("reports", count)
+                return ("reports", count, [float(x) for x in got.get("intervals") or []])
         except (channel.ChannelError, ValueError, TypeError, AttributeError):
             pass
     got = _main_thread(pid)
@@ -134,6 +162,52 @@ def moved(before: tuple | None, now: tuple) -> bool:
     if now[0] == "movement":
         return now[1] > before[1] or now[2] - before[2] >= WOKEN
     return False
+
+
+@dataclass(frozen=True)
+class Limit:
+    """Seconds without progress that make a stall, and where they came from."""
+
+    seconds: float
+    auto: bool = False
+    median_s: float | None = None  # the median step it was made from (auto, steps known)
+
+    def why(self) -> str:
+        """How it was chosen, for the verdict's line ("" when fixed by --watchdog SECONDS)."""
+        if not self.auto:
+            return ""
+        if self.median_s is None:
+            return f"auto: fixed until {MIN_STEPS} steps are timed"
+        made = f"auto: {FACTOR:g}x the median step {_s(self.median_s)}"
+        if self.seconds > FACTOR * self.median_s:
+            return f"{made}, raised to the {_s(self.seconds)} floor"
+        if self.seconds < FACTOR * self.median_s:
+            return f"{made}, capped at {_s(self.seconds)}"
+        return made
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.2g}s" if seconds < 1 else f"{round(seconds, 1):g}s"
+
+
+def step_median(looks: dict) -> float | None:
+    """The median step of the slowest rank that timed at least MIN_STEPS steps, or None."""
+    medians = []
+    for lk in looks.values():
+        if lk[0] == "reports" and len(lk) > 2:
+            times = [t for t in lk[2] if 0 <= t < math.inf]  # NaN and inf say nothing
+            if len(times) >= MIN_STEPS:
+                medians.append(statistics.median(times))
+    return max(medians) if medians else None
+
+
+def auto_limit(median_s: float | None, seconds: float, floor: float = FLOOR) -> Limit:
+    """`--watchdog auto`: FACTOR x the median step between `floor` and `seconds`, which is
+    the limit until steps are timed."""
+    if median_s is None:
+        return Limit(seconds, auto=True)
+    floor = min(floor, seconds)
+    return Limit(min(max(FACTOR * median_s, floor), seconds), auto=True, median_s=median_s)
 
 
 class StallClock:
@@ -178,15 +252,21 @@ class Watchdog:
         looks: LooksFn | None = None,
         keep_servers: Callable[[Path], None] | None = None,
         refused: Callable[[], list[str]] | None = None,
+        auto: bool = False,
+        floor: float = FLOOR,
     ):
         self.seconds = float(seconds)
+        self.auto = auto
+        self.floor = floor  # the lowest limit auto sets
+        self.limit = Limit(self.seconds, auto=auto)  # the one in force now
+        self._median: float | None = None  # the last step median known (auto)
         # -> one line per server the job uses that refuses its clients (request_errors)
         self.refused = refused
         self.log_dir = Path(log_dir)
         self.ranks = ranks
         self.server_pids = server_pids
         self.on_stall = on_stall
-        self.tick = tick or min(1.0, max(0.2, self.seconds / 10))
+        self.tick = tick or min(1.0, max(0.2, self.lowest() / 10))
         self.stop = threading.Event()
         self.stalls: list[Stall] = []
         self._thread: threading.Thread | None = None
@@ -194,6 +274,18 @@ class Watchdog:
         self._job = None  # the local ranks, found again while they start or restart
         if keep_servers is not None:
             self._keep_servers = keep_servers
+
+    def lowest(self) -> float:
+        """The lowest limit this watchdog may apply."""
+        return min(self.floor, self.seconds) if self.auto else self.seconds
+
+    def _update_limit(self, looks: dict) -> Limit:
+        if self.auto:
+            # Kept while no rank says its step times (a channel that stopped answering):
+            # a job that hangs keeps the limit its steps made.
+            self._median = step_median(looks) or self._median
+            self.limit = auto_limit(self._median, self.seconds, self.floor)
+        return self.limit
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="areal-watchdog", daemon=True)
@@ -255,6 +347,7 @@ class Watchdog:
                 clock.update(True, time.monotonic())  # nothing to watch is no stall
                 continue
             self._check_refused(refused)
+            clock.seconds = self._update_limit(looks).seconds
             any_moved = any(moved(seen.get(key), now) for key, now in looks.items())
             seen = looks
             now = time.monotonic()
@@ -268,6 +361,7 @@ class Watchdog:
                         odd_ranks=[], summary=f"the watchdog could not diagnose: {_why(e)}",
                         bundle=None, latency_s=time.monotonic() - clock.last_progress,
                     )  # fmt: skip
+                stall.limit_s, stall.limit = self.limit.seconds, self.limit.why()
                 self.stalls.append(stall)
                 try:
                     self.on_stall(stall)
@@ -390,11 +484,18 @@ def _gone(pid: int) -> bool:
     return not os.path.exists(f"/proc/{pid}")
 
 
+def stall_limit(stall: Stall, seconds: float) -> str:
+    """The limit a stall passed, as its line says it: "3s" (fixed), "20s (auto: 10x the
+    median step 0.3s, raised to the 20s floor)"."""
+    limit = seconds if stall.limit_s is None else stall.limit_s
+    return f"{round(limit, 1):g}s" + (f" ({stall.limit})" if stall.limit else "")
+
+
 def log_line(log_dir: str | Path, stall: Stall, seconds: float) -> str:
     """Append the verdict to the job's watchdog log (what `areal logs` shows); the line."""
     line = (
         f"{time.strftime('%H:%M:%S', time.localtime(stall.at))} stall: no rank progressed for "
-        f"{seconds:g}s; verdict {stall.headline()}; bundle {stall.bundle}"
+        f"{stall_limit(stall, seconds)}; verdict {stall.headline()}; bundle {stall.bundle}"
         if stall.kind != REFUSED
         else f"{time.strftime('%H:%M:%S', time.localtime(stall.at))} refused: the ranks run, "
         f"but {stall.summary}; bundle {stall.bundle}"
@@ -429,11 +530,14 @@ def log_line(log_dir: str | Path, stall: Stall, seconds: float) -> str:
 ReachFn = Callable[[str, dict, float], dict]
 
 
-def cluster_tick(seconds: float) -> float:
+def cluster_tick(seconds: float, floor: float | None = None) -> float:
     """Seconds between looks on a cluster: each look starts a process on every node (an srun
     on Slurm, which costs the controller an RPC), so at most one a second. At most 4 s: the
     last progress is seen up to one look late and the stall up to one more, and with the
-    doctor's few seconds the verdict must come within SECONDS + 10 s."""
+    doctor's few seconds the verdict must come within SECONDS + 10 s (auto: within its
+    floor + 10 s, the lowest limit it may set)."""
+    if floor is not None:
+        seconds = min(floor, seconds)
     return min(4.0, max(1.0, seconds / 10))
 
 
@@ -451,6 +555,8 @@ def watch_nodes(
     python: str | None = None,
     tick: float | None = None,
     refused: Callable[[], list[str]] | None = None,
+    auto: bool = False,
+    floor: float = FLOOR,
 ) -> Watchdog:
     """The watchdog on a job of a cluster scheduler, started: every tick, each node's ranks (the
     job's processes there carrying RANK, found by `marker`) are looked at where they run; on a
@@ -505,8 +611,9 @@ def watch_nodes(
                     files.write_private(out / f"server-{node}-pid{pid}.error.txt", text)
 
     dog = Watchdog(
-        seconds, log_dir, ranks=ranks, on_stall=on_stall, tick=tick or cluster_tick(seconds),
-        looks=looks, keep_servers=keep_servers, refused=refused,
+        seconds, log_dir, ranks=ranks, on_stall=on_stall,
+        tick=tick or cluster_tick(seconds, floor if auto else None), looks=looks,
+        keep_servers=keep_servers, refused=refused, auto=auto, floor=floor,
     )  # fmt: skip
     dog.start()
     return dog

@@ -282,9 +282,15 @@ def analyze(events: Sequence[Event], kernel: Kernel | None = None) -> Report:
             root = min(primary, key=lambda e: (e.kind != "server_died", _not_named(e, named),
                                                e.order))  # fmt: skip
     elif weak:
-        if all(e.time is not None for e in weak):
+        # A launcher told to stop (a signal to a node's torchrun: no rank, no exit code, no
+        # time) is how one node's failure ends the others (srun --kill-on-bad-exit, the
+        # teardown): it does not hide the times of the ranks' own ends.
+        timed = [e for e in weak if e.time is not None]
+        stopped = [e for e in weak if e.kind == "signal" and e.rank is None
+                   and e.exit_code is None and e.time is None]  # fmt: skip
+        if timed and len(timed) + len(stopped) == len(weak):
             # Several nodes' reports: the earliest failure, whichever report names it.
-            root = min(weak, key=lambda e: (e.cut, e.time, _not_named(e, named), e.order))
+            root = min(timed, key=lambda e: (e.cut, e.time, _not_named(e, named), e.order))
         else:
             root = min(weak, key=lambda e: (e.cut, _not_named(e, named),
                                             e.time or float("inf"), e.order))  # fmt: skip
@@ -363,10 +369,16 @@ def _from_torchrun_report(events: list[Event], kernel: Kernel | None) -> list[Ev
     out: list[Event] = []
     own = {e.rank for e in events if not e.secondary_kind and e.rank is not None}
     slurm_oom = [e for e in events if e.kind == "oom_killer" and e.rank is None]
+    # torchrun's one-line report names a node's local rank; its failures block, the global
+    # rank of the same pid (rank 1 is local_rank 0 on the second node of two).
+    global_rank = {f["pid"]: f["rank"] for e in events for f in e.failures
+                   if not f.get("local") and f["pid"] and f["rank"] is not None}  # fmt: skip
     seen: set = set()
     for e in events:
         for f in e.failures:
             code, rank = f["exit_code"], f["rank"]
+            if f.get("local"):
+                rank = global_rank.get(f["pid"], rank)
             if code in (None, 0) or (rank is not None and rank in own):
                 continue
             if rank is None and (code, f["pid"]) in seen:

@@ -4,7 +4,7 @@ ranks against the others when the root cause is chosen) and the advice it carrie
 stop or unknown, with the reason), which the restart work decides by.
 
 A new kind is one row (and a test): `classify` walks the rows in order, the first whose
-evidence matches wins; `--help` and the README list the kinds from this table.
+evidence matches wins; `--help` and docs/doctor.md list the kinds from this table.
 
 Tiers, strongest first:
 - primary: the failure itself (an exception, an OOM, a crash);
@@ -31,9 +31,14 @@ class Kind:
     tier: str  # primary | weak | secondary
     advice: str  # restart | stop | unknown
     reason: str  # why that advice, in words a user acts on
-    doc: str  # what the kind is (for --help and the README)
+    doc: str  # what the kind is (for --help and docs/doctor.md)
     evidence: str = ""  # regex over an exception's text (case-insensitive); "" = set by a rule
     collective: bool = False  # the evidence counts only for torch.distributed's own errors
+    # The restart column (areal train --max-restarts): an infrastructure fault that a restart
+    # may cure, and why. Where the advice is restart or stop it is the advice; an unknown's
+    # own answer is here, and a repeat at the same place stops the restarts anyway.
+    restart: bool = False
+    restart_reason: str = ""
 
 
 _ONLY_CONSEQUENCE = (
@@ -59,6 +64,7 @@ KINDS: tuple[Kind, ...] = (
         "watch the host's memory",
         "the kernel's OOM killer (or Ray's memory monitor) killed a process",
         r"running low on memory|killed due to memory pressure|out of memory: killed process",
+        restart=True,
     ),
     Kind(
         "cpu_oom",
@@ -100,6 +106,9 @@ KINDS: tuple[Kind, ...] = (
         "a signal from outside ended the process: who sent it decides",
         "a signal ended a rank or the job (and who sent it)",
         r"signalexception|got signal: \d+|\bkeyboardinterrupt\b",
+        restart=True,
+        restart_reason="a signal from outside the job (the OOM killer, a node's or a scheduler's "
+        "stop): the fault is the host's, not the code's",
     ),
     Kind(
         "process_died",
@@ -110,6 +119,8 @@ KINDS: tuple[Kind, ...] = (
         "a Ray actor or a server's worker died without a Python error",
         r"actordiederror|actor died unexpectedly|worker process has died"
         r"|worker died or was killed|died unexpectedly|worker unexpectedly exits",
+        restart=True,
+        restart_reason="a worker died without a Python error: the node or its memory, not the code",
     ),
     Kind(
         "cuda_error",
@@ -119,6 +130,9 @@ KINDS: tuple[Kind, ...] = (
         "a CUDA error: an illegal memory access, a device-side assert",
         r"illegal memory access|device-side assert|unhandled cuda error|cuda error"
         r"|acceleratorerror|misaligned address",
+        restart=True,
+        restart_reason="a faulty GPU passes with a restart; a kernel bug repeats at the same "
+        "place and stops the restarts there",
     ),
     Kind(
         "collective_timeout",
@@ -129,6 +143,7 @@ KINDS: tuple[Kind, ...] = (
         "a collective timed out (NCCL's watchdog, gloo)",
         r"timed out|timeout|watchdog caught",
         collective=True,
+        restart=True,
     ),
     Kind(
         "connection_lost",
@@ -139,6 +154,7 @@ KINDS: tuple[Kind, ...] = (
         r"connection (closed|reset)|broken pipe|remote process exited|ncclremoteerror"
         r"|connection refused|socket closed|peer closed|end of file|remotedisconnected"
         r"|unhandled system error|ncclsystemerror",
+        restart=True,
     ),
     Kind(
         "nccl_error",
@@ -148,6 +164,9 @@ KINDS: tuple[Kind, ...] = (
         "may not",
         "an NCCL error that is neither a timeout nor a lost connection",
         r"\bnccl error\b|ncclinvalid|ncclinternalerror|distbackenderror",
+        restart=True,
+        restart_reason="a fabric fault passes with a restart; wrong NCCL settings repeat at the "
+        "same place and stop the restarts there",
     ),
     Kind(
         "config_error",
@@ -179,6 +198,7 @@ KINDS: tuple[Kind, ...] = (
         RESTART,
         "a server of the job exited: a restart brings it back",
         "a server of the job exited",
+        restart=True,
     ),
     Kind(
         "hang",
@@ -187,6 +207,7 @@ KINDS: tuple[Kind, ...] = (
         "the job stopped progressing: a restart resumes from the last checkpoint, a "
         "deadlock in the code repeats (the watchdog's verdict says which)",
         "the watchdog ended a job that stopped progressing",
+        restart=True,
     ),
     Kind(
         "python_exception",
@@ -273,7 +294,23 @@ def advice(kind: str, sender: str | None = None, exit_code: int | None = None) -
     return {"action": row.advice, "reason": row.reason}
 
 
+def restart_verdict(
+    kind: str | None, sender: str | None = None, exit_code: int | None = None
+) -> tuple[bool, str]:
+    """(restart or not, why) for a root cause of `kind` under `--restart-on infra`: the advice
+    where it is restart or stop, the kind's restart column where the advice is unknown."""
+    if kind is None:
+        return False, "the logs name no failure: nothing says a restart would pass"
+    a = advice(kind, sender, exit_code)
+    if a["action"] != UNKNOWN:
+        return a["action"] == RESTART, a["reason"]
+    row = BY_NAME.get(kind)
+    if row is not None and row.restart:
+        return True, row.restart_reason or a["reason"]
+    return False, f"not known to be a fault of the infrastructure: {a['reason']}"
+
+
 def kinds_help() -> str:
-    """The kinds, one a line with their advice: for `doctor why --help` and the README."""
+    """The kinds, one a line with their advice: for `doctor why --help` and docs/doctor.md."""
     width = max(len(k.name) for k in KINDS)
     return "\n".join(f"  {k.name:<{width}}  {k.advice:<7}  {k.doc}" for k in KINDS)

@@ -584,8 +584,11 @@ def _torchrun_line(ctx: _Ctx, m: re.Match) -> Event:
     # `failed (exitcode: -9) local_rank: 0 (pid: 1322) of binary: …`, in torchrun's three
     # forms (ERROR:torch.distributed…, E1219 … api.py:882], [time] torch… [ERROR]).
     code, rank, pid = int(m.group(1)), int(m.group(2)), int(m.group(3))
-    return _report(ctx, rank, code, pid, f"torchrun: local_rank {rank} failed "
-                   f"({describe_code(code)}, pid {pid})")  # fmt: skip
+    ev = _report(ctx, rank, code, pid, f"torchrun: local_rank {rank} failed "
+                 f"({describe_code(code)}, pid {pid})")  # fmt: skip
+    # A local rank: on a node after the first, the global rank is in the failures block.
+    ev.failures[0]["local"] = True
+    return ev
 
 
 def _deepspeed_line(ctx: _Ctx, m: re.Match) -> Event:

@@ -16,6 +16,16 @@ generation) where there is one, since an engine can pass /health and die on its 
 forward pass (vLLM's CPU build did). A plan's `cpus` pin the server to those cores (an
 engine's CPU build; replicas on cores of their own).
 
+A server that exits while it serves (a crash, the OOM killer, a SIGKILL) is restarted by
+the runner on the same GPUs, port and address: deregistered at once (trainers stop sending
+to it), started again after a short backoff, and registered again once it answers a
+generation, with its entry's `restarts` counted up and a fresh `started` (it holds its base
+weights again: trainers realign it before they sample from it, worker/rollout.py). The
+plan's `server_restarts` is the budget per rolling hour (0: never); past it the replica ends
+as one that is not restarted does. A server that fails while it first starts is not
+restarted: that failure would repeat. One server over several nodes is not restarted (its
+nodes would have to meet again).
+
 Exit codes: the server's own (128+signal when killed by one), 3 when it never became
 healthy in time or failed its first request, 2 for a bad plan.
 """
@@ -23,6 +33,7 @@ healthy in time or failed its first request, 2 for a bad plan.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import signal
@@ -51,6 +62,12 @@ FIRST_REQUEST_TIMEOUT = 180.0
 READY_POLL_CAP = 0.05
 # Seconds a stopping runner waits for its deregistration before it stops the server anyway.
 DEREGISTER_WAIT = 1.0
+# The restart budget's window (seconds): at most `server_restarts` restarts within it.
+RESTART_WINDOW = 3600.0
+# Seconds before a restart, doubled for each restart still in the window, up to the cap: a
+# server that crashes at once again must not spin, and the first restart is not held up.
+RESTART_BACKOFF = 0.2
+RESTART_BACKOFF_CAP = 30.0
 
 
 class Replica:
@@ -67,6 +84,9 @@ class Replica:
         self._log = None
         self._version = None  # _EngineVersion: the engine's package version
         self._access = None  # the engine's access log, read for its errors (request_errors)
+        self.restarts = 0  # how often the server was started again after it exited
+        self._restarted_at: collections.deque[float] = collections.deque()  # monotonic
+        self.budget = max(0, int(plan.get("server_restarts") or 0))
 
     # -- log ------------------------------------------------------------------------------
 
@@ -106,6 +126,32 @@ class Replica:
         # Found by teardown even when this runner is gone (see replica_processes).
         env[REPLICA_ENV] = str(p["index"])
         cpus = [int(c) for c in p.get("cpus") or ()]
+        self._launch = (argv, env, cpus)
+        failed = self._spawn()
+        if failed is not None:
+            return failed
+
+        # Read while the engine loads, for the entry (what AReaL's trainer is paired against).
+        self._version = _EngineVersion(argv[0], p.get("backend"))
+        if not leader:
+            # Only the first node serves HTTP; the others hold their share of the model.
+            self.say(f"node {node.name()} runs its part of server-{p['index']}")
+            return self._follow()
+        code, listed = self._bring_up(host, port)
+        if code is not None:
+            return code
+        self._tell_ready()
+        while True:
+            code = self._keep(listed)
+            if self.stop.is_set() or int(p.get("nodes") or 1) > 1:
+                return code
+            code, listed = self._restart(host, port, code)
+            if code is not None:
+                return code
+
+    def _spawn(self) -> int | None:
+        """Start the server process; None once started, else the exit code to end with."""
+        argv, env, cpus = self._launch
         try:
             self.server = subprocess.Popen(
                 argv, env=env, stdin=subprocess.DEVNULL, stdout=self._log,
@@ -117,43 +163,92 @@ class Replica:
             return 127
         server = self.server
 
-        # Read while the engine loads, for the entry (what AReaL's trainer is paired against).
-        self._version = _EngineVersion(argv[0], p.get("backend"))
-
         def wake_on_exit() -> None:
             server.wait()
             self.changed.set()
 
         threading.Thread(target=wake_on_exit, daemon=True).start()
-        if not leader:
-            # Only the first node serves HTTP; the others hold their share of the model.
-            self.say(f"node {node.name()} runs its part of server-{p['index']}")
-            return self._follow()
+        return None
+
+    def _bring_up(self, host: str, port: int) -> tuple[int | None, bool]:
+        """Wait until the started server answers a generation, then register it. Returns
+        (None, listed) once it serves (listed: False while the registry does not answer),
+        else (the exit code to end with, False)."""
         if not self._wait_healthy(host, port):
             code = self.server.poll()
             if code is not None:
                 self.say(f"server exited while starting ({_describe(code)})")
-                return _code(code)
+                return _code(code), False
             if self.stop.is_set():
-                return self._shutdown()
+                return self._shutdown(), False
             self.say(f"not healthy after {self.plan['health_timeout']:g}s; stopping it")
             self._shutdown()
-            return EXIT_TIMEOUT
+            return EXIT_TIMEOUT, False
         failed = self._first_request(host, port)
         if failed:
             code = self.server.poll()
             if code is not None:
                 self.say(f"server exited on its first request ({_describe(code)}): {failed}")
-                return _code(code)
+                return _code(code), False
             self.say(f"server answers /health but failed its first request: {failed}; stopping it")
             self._shutdown()
-            return EXIT_TIMEOUT
+            return EXIT_TIMEOUT, False
         listed = self._register(host, port)
         if listed is None:
             self._shutdown()
-            return EXIT_USAGE
-        self._tell_ready()
-        return self._keep(listed)
+            return EXIT_USAGE, False
+        return None, listed
+
+    def _restart(self, host: str, port: int, code: int) -> tuple[int | None, bool]:
+        """The server exited while it served (its entry is out already): start it again
+        while the budget allows. (None, listed) once it serves again; else (the code to end
+        with, False): the last exit's, or a stop's."""
+        while True:
+            now = time.monotonic()
+            while self._restarted_at and now - self._restarted_at[0] > RESTART_WINDOW:
+                self._restarted_at.popleft()
+            if len(self._restarted_at) >= self.budget:
+                if self.budget:
+                    self.say(f"not restarted: {len(self._restarted_at)} restart(s) within the "
+                             f"last hour, the budget (--max-restarts {self.budget})")  # fmt: skip
+                return code, False
+            # Whatever the dead server left (its workers hold GPUs and ports) goes first.
+            self._reap()
+            delay = min(RESTART_BACKOFF * 2 ** len(self._restarted_at), RESTART_BACKOFF_CAP)
+            self._restarted_at.append(now)
+            self.restarts += 1
+            left = self.budget - len(self._restarted_at)
+            self.say(f"restarting the server (restart {self.restarts}, {left} more allowed "
+                     f"within the hour) in {delay:g}s")  # fmt: skip
+            if self.stop.wait(delay):
+                return self._shutdown(), False
+            self.changed.clear()
+            failed = self._spawn()
+            if failed is not None:
+                return failed, False
+            got, listed = self._bring_up(host, port)
+            if got is None:
+                self._tell_ready()
+                return None, listed
+            if self.stop.is_set() or got == EXIT_USAGE:  # a registry that refuses us for good
+                return got, False
+            code = got
+
+    def _reap(self) -> None:
+        """SIGKILL what is left of the exited server: its process group, and the processes
+        of this replica that left it (found by their environment)."""
+        if self.server is not None:
+            _signal_group(self.server.pid, signal.SIGKILL)
+        marker = self.plan.get("marker")
+        if not marker:
+            return
+        me = os.getpid()
+        for proc in replica_processes(marker, self.p["index"]):
+            if proc.pid != me:
+                try:
+                    proc.kill()
+                except Exception:
+                    pass
 
     def _follow(self) -> int:
         while self.server.poll() is None and not self.stop.is_set():
@@ -237,8 +332,10 @@ class Replica:
             scheduler_job_id=os.environ.get("AREAL_SCHEDULER_JOB_ID"),
             node=node.name(),
             engine_version=self._version.get() if self._version else None,
+            restarts=self.restarts,
         )
-        return self._publish("registered")
+        return self._publish(f"restart {self.restarts}: registered" if self.restarts
+                             else "registered")  # fmt: skip
 
     def _publish(self, what: str) -> bool | None:
         """True once registered; False when the registry failed for now (it may be down for
@@ -316,9 +413,10 @@ class Replica:
     def _errors(self, host: str, port: int, timeout: float) -> dict | None:
         """The server's requests answered with errors lately: the hf server counts its own;
         an engine's are read from its access log, which this runner writes."""
-        from areal_cli import request_errors
+        from areal_cli import backends, request_errors
 
-        if self.p.get("backend") == "hf":
+        engine = backends.find(self.p.get("backend"))
+        if engine is not None and engine.built_in:
             from areal_cli import control
             from areal_cli.backends import protocol_sglang
             from areal_cli.health import _connect_host
@@ -332,9 +430,10 @@ class Replica:
 
     def _paused(self, host: str, port: int, timeout: float) -> bool:
         from areal_cli import control
+        from areal_cli.backends import FALLBACK
         from areal_cli.health import _connect_host
 
-        backend = self.p.get("backend") or "sglang"
+        backend = self.p.get("backend") or FALLBACK
         return control.paused(f"{_connect_host(host)}:{port}", backend, self.key, timeout) is True
 
     def _unless_stopped(self, fn, *args, **kwargs) -> bool:
@@ -482,10 +581,10 @@ class _EngineVersion:
     def __init__(self, python: str, backend: str | None):
         from areal_cli import backends
 
-        b = backends.BACKENDS.get(backend or "")
+        b = backends.find(backend)
         self._value: str | None = None
         self._thread = None
-        if b is None or backend == "hf":  # ours: its version is areal's own
+        if b is None or b.built_in:  # ours: its version is areal's own
             return
         self._thread = threading.Thread(
             target=self._read, args=(python, b.package.split(".")[0]), daemon=True

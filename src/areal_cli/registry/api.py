@@ -68,6 +68,9 @@ class ServerEntry:
     # The engine's package version in the server's interpreter (sglang, vllm), where its
     # runner could read it: what AReaL's trainer is paired against (areal_entry).
     engine_version: str | None = None
+    # How often its runner started the server again after it exited (launchers/replica.py):
+    # a restarted server holds its base weights again, from `started` on.
+    restarts: int = 0
 
     def is_alive(self, now: float | None = None, pid_cache: dict | None = None) -> bool:
         if not self.managed:
@@ -157,7 +160,18 @@ class Registry(ABC):
 
     url: str  # printable; never holds a password
     user: str
-    kind: str  # "file" | "etcd"
+    kind: str  # its scheme: "file", "etcd", or a plug-in's
+    # Whether its entries are files under the folder its url names: then the nodes of a
+    # multi-node job see each other's only through a filesystem every node mounts.
+    shared_filesystem: bool = False
+    # What becomes of entries a stop could not remove when the registry itself drops them
+    # (leases); None: readers skip them by their servers' pids and heartbeats.
+    leftovers_expire: str | None = None
+
+    @classmethod
+    def from_url(cls, url: str) -> Registry:
+        """The registry at `url` (settings.registry_url's form: a path for scheme file)."""
+        return cls(url)
 
     # -- backend primitives ---------------------------------------------------------------
 

@@ -59,6 +59,9 @@ class AccessDenied(UsageError):
 
 class EtcdRegistry(Registry):
     kind = "etcd"
+    leftovers_expire = (
+        "etcd drops them when their lease runs out (the TTL: 30 s unless AREAL_REGISTRY_TTL)"
+    )
 
     def __init__(self, client: _Client, user: str | None = None):
         self._client = client

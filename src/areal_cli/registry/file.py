@@ -41,6 +41,7 @@ _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEX
 
 class FileRegistry(Registry):
     kind = "file"
+    shared_filesystem = True
 
     def __init__(self, root: Path | str, user: str | None = None):
         self.root = Path(root)

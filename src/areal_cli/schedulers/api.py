@@ -97,6 +97,7 @@ class ServerStatus:
     exit_code: int | None = None
     # Requests answered with errors in the last minute, and the last one (request_errors).
     errors: dict | None = None
+    restarts: int = 0  # how often its runner started it again after it exited
 
 
 @dataclass
@@ -121,6 +122,8 @@ class JobStatus:
     marker: str | None = None  # what every process of the job carries in AREAL_JOB_MARKER
     registry: str | None = None  # where its servers and ranks are registered
     watchdog: dict | None = None  # the last stall the watchdog diagnosed (its verdict, bundle)
+    # Each restart of the trainers and each refusal, in order (diagnose.restart.Decision).
+    restarts: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -168,6 +171,11 @@ class Scheduler(ABC):
     # Who `doctor why` names as the sender when a job record says only "killed": the one
     # way this scheduler itself kills a job (None: it never does).
     killed_by: str | None = None
+    # The folder of its job records under AREAL_HOME (empty: its name).
+    records: str = ""
+    # Whether its jobs run on nodes the doctor reaches through run_on_nodes (a cluster's);
+    # False: every process of its jobs runs on this host, where the doctor looks itself.
+    reaches_nodes: bool = False
     # Seconds for a command to start on every node through run_on_nodes: the doctor names a
     # moment that far ahead for the nodes' first sample (or recording) to start together.
     node_start_s: float = 0.5

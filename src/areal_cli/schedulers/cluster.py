@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from areal_cli import settings
+from areal_cli import backends, settings
 from areal_cli.errors import UsageError
 from areal_cli.schedulers.api import (
     EventFn,
@@ -43,6 +43,8 @@ from areal_cli.schedulers.api import (
 
 
 class ClusterScheduler(Scheduler):
+    reaches_nodes = True
+
     def __init__(self, home: Path | None = None, registry: str | None = None):
         self.home = home or settings.home()
         self.registry = registry
@@ -183,6 +185,7 @@ class ClusterScheduler(Scheduler):
             marker=rec.marker,
             registry=rec.registry,
             watchdog=self._stall(rec),
+            restarts=_restarts(rec),
         )
 
     def _handle(self, rec) -> Handle:
@@ -243,7 +246,7 @@ def _registered(rec) -> tuple[list, list, dict[str, bool], dict[str, bool | None
             # signed are its servers (and may be asked with its key).
             entries = [e for e in entries if apikeys.unproven(key, e) is None]
         health = discovery.healthy([e.addr for e in entries])
-        backend = (entries[0].backend if entries else None) or "sglang"
+        backend = (entries[0].backend if entries else None) or backends.FALLBACK
         paused = control.paused_all([e.addr for e in entries], backend, key, 1.0)
     return entries, ranks, health, paused
 
@@ -252,7 +255,7 @@ def server_row(e, health: dict, paused: dict) -> ServerStatus:
     """A registered server's row in `areal ps`."""
     return ServerStatus(addr=e.addr, healthy=bool(health.get(e.addr)), pid=e.pid, gpus=e.gpus,
                         node=e.node, paused=paused.get(e.addr) is True,
-                        errors=e.errors)  # fmt: skip
+                        errors=e.errors, restarts=e.restarts)  # fmt: skip
 
 
 def ended_rows(ended: dict[int, tuple[int, str | None]]) -> list[ServerStatus]:
@@ -532,3 +535,11 @@ def servers_by_node(plan) -> dict[str, list[int]]:
         if e.marker == plan.marker and e.node and e.pid:
             out.setdefault(e.node, []).append(e.pid)
     return out
+
+
+def _restarts(rec) -> list[dict]:
+    """The trainers' restarts and refusals that the job's batch side logged in its run folder
+    (areal train --max-restarts)."""
+    from areal_cli.diagnose import restart
+
+    return restart.read_log(getattr(rec, "run_dir", None))

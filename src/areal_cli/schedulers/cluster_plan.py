@@ -65,10 +65,11 @@ def server_role(spec: JobSpec) -> tuple[ServerRole, backends.Backend]:
     if is_loopback(role.host):
         role = replace(role, host=NODE_ADDR)
     backend.check_bind(role)
-    if role.backend == "hf" and role.gpus_per_replica != 1:
+    if not backend.multi_gpu_replica and role.gpus_per_replica != 1:
         raise UsageError(
-            "the hf backend runs one replica per GPU (t1p1): it cannot span GPUs or nodes",
-            hint="use d to add replicas, e.g. --alloc hf:d2",
+            f"the {backend.name} backend runs one replica per GPU (t1p1): it cannot span GPUs "
+            "or nodes",
+            hint=f"use d to add replicas, e.g. --alloc {backend.name}:d2",
         )
     return role, backend
 

@@ -15,7 +15,7 @@ import signal
 import uuid
 from pathlib import Path
 
-from areal_cli import logfiles, settings
+from areal_cli import backends, logfiles, settings
 from areal_cli.launchers import torchrun
 from areal_cli.parallel import MESH_ENV
 from areal_cli.registry import Registry, open_registry
@@ -37,6 +37,7 @@ def plan_fields(spec: JobSpec, home: Path, registry: Registry) -> dict:
         log_dir=str(settings.log_dir(home, spec.experiment, spec.trial)), home=str(home),
         registry=registry.url, marker=new_marker(spec.experiment, spec.trial), alloc=spec.alloc,
         health_timeout=spec.health_timeout, registry_ttl=settings.registry_ttl(),
+        server_restarts=spec.servers.max_restarts if spec.servers else 0,
     )  # fmt: skip
 
 
@@ -65,7 +66,7 @@ def resolve_api_key(flag: str) -> str | None:
 
 
 # Collectives torch's flight recorder keeps per rank: a 2-rank gloo all_reduce loop costs no
-# measurable time with it (README, "The flight recorder"); a few MB of host memory.
+# measurable time with it (docs/doctor.md, "The flight recorder"); a few MB of host memory.
 FR_BUFFER_SIZE = 2000
 FR_BUFFER_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 
@@ -97,10 +98,10 @@ def worker_env(
         env["OMP_NUM_THREADS"] = os.environ.get(
             "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, t.nproc)))
         )
-    if backend == "sglang":
-        # NCCL's cuMem allocator and NVLink SHARP clash with SGLang's in the same job.
-        env["NCCL_CUMEM_ENABLE"] = "0"
-        env["NCCL_NVLS_ENABLE"] = "0"
+    # What the engine needs of ranks that talk to it (SGLang: NCCL settings of its own).
+    engine = backends.find(backend)
+    if engine is not None:
+        env.update(engine.trainer_env())
     if key:
         env["AREAL_API_KEY"] = key
     if t.areal_overrides:
@@ -121,7 +122,7 @@ def external_servers(p: Plan, spec: JobSpec) -> tuple[list[str], str, str | None
     """The servers a training-only job uses (found or given before the plan): their
     addresses, backend and the API key they want (the plan holds it only to redact it)."""
     p.api_key = spec.external_api_key
-    return list(spec.external_servers), spec.external_backend or "sglang", p.api_key
+    return list(spec.external_servers), spec.external_backend or backends.FALLBACK, p.api_key
 
 
 def script_args(spec: JobSpec, backend: str, n_servers: int, registry) -> list[str]:
@@ -160,7 +161,7 @@ def resume_left_paused(plan: Plan, timeout: float = 3.0) -> list[str]:
         addrs = [a for a in t.env.get("AREAL_LLM_SERVER_ADDRS", "").split(",") if a]
         addrs = [a for a in addrs if a not in ours]
         if addrs:
-            backend = t.env.get("AREAL_SERVER_BACKEND") or "sglang"
+            backend = t.env.get("AREAL_SERVER_BACKEND") or backends.FALLBACK
             resumed += control.resume_paused(addrs, backend, t.env.get("AREAL_API_KEY"), timeout)
     return resumed
 

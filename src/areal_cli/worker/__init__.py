@@ -10,6 +10,10 @@
     ...
     sync_weights(model, client, method="distributed", version=step)   # or method="disk" + a path
 
+    ckpt = Checkpointer(keep=2)           # $AREAL_LOG_DIR/checkpoints unless given a folder
+    resumed = ckpt.load(model, optimizer) # the latest whole checkpoint, or None
+    ckpt.save(step, model, optimizer, extra={"data_position": pos})   # in the background
+
 Nothing heavy is imported until a name is used.
 """
 
@@ -19,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from areal_cli.worker.agree import align_servers
+    from areal_cli.worker.checkpoint import Checkpoint, Checkpointer, latest
     from areal_cli.worker.consistency import check_consistency, watch
     from areal_cli.worker.fsdp import shard_model, transformer_blocks
     from areal_cli.worker.rollout import Completion, RolloutClient, RolloutError, SyncError
@@ -27,6 +32,9 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "align_servers": "agree",
+    "Checkpoint": "checkpoint",
+    "Checkpointer": "checkpoint",
+    "latest": "checkpoint",
     "check_consistency": "consistency",
     "watch": "consistency",
     "connect": "runtime",
@@ -46,6 +54,9 @@ _EXPORTS = {
 __all__ = [
     "align_servers",
     "check_consistency",
+    "Checkpoint",
+    "Checkpointer",
+    "latest",
     "Completion",
     "RolloutClient",
     "RolloutError",

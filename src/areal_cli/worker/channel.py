@@ -24,7 +24,8 @@ gets a thread of its own, so a handler that blocks (a dump waiting on a lock) st
 request. Requests are looked up in HANDLERS; `register(name, fn)` adds one.
 
     ping       pid, rank, world size, the requests this rank answers
-    progress   the last step reported (ctx.progress), when, and how many reports so far
+    progress   the last step reported (ctx.progress), when, how many reports so far and the
+               seconds between the last steps
     fr         torch's flight recorder: its dump (JSON) and the job's process groups
 
 Library code: stdlib only at import; torch is imported by the `fr` handler, in a rank that
@@ -41,7 +42,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -178,12 +179,20 @@ def _private_dir(d: Path) -> Path:
 # --------------------------------------------------------------------------- progress
 
 
+# Step times a rank keeps: what `--watchdog auto` takes the median of (diagnose.watchdog).
+STEP_TIMES = 20
+
+
 @dataclass
 class Progress:
     step: int | None = None
     time: float | None = None  # time.time() of the last report
     count: int = 0  # reports so far: what the watchdog compares
     source: str | None = None  # "step" | "rollout" | "sync"
+    # Seconds between successive step reports (ctx.progress), the last STEP_TIMES, oldest
+    # first; rollout and sync reports happen within a step and are no step of their own.
+    intervals: list[float] = field(default_factory=list)
+    last_step_at: float | None = None  # time.monotonic() of the last step report
 
 
 PROGRESS = Progress()
@@ -196,6 +205,12 @@ def report_progress(step: int | None = None, source: str = "step") -> None:
     PROGRESS.time = time.time()
     PROGRESS.source = source
     PROGRESS.count += 1
+    if source == "step":
+        now = time.monotonic()
+        if PROGRESS.last_step_at is not None:
+            PROGRESS.intervals.append(now - PROGRESS.last_step_at)
+            del PROGRESS.intervals[:-STEP_TIMES]
+        PROGRESS.last_step_at = now
 
 
 # --------------------------------------------------------------------------- handlers
@@ -211,7 +226,16 @@ def _ping(_req: dict) -> dict:
 
 
 def _progress(_req: dict) -> dict:
-    return {"pid": os.getpid(), "rank": _env_int("RANK"), **PROGRESS.__dict__}
+    p = PROGRESS
+    return {
+        "pid": os.getpid(),
+        "rank": _env_int("RANK"),
+        "step": p.step,
+        "time": p.time,
+        "count": p.count,
+        "source": p.source,
+        "intervals": [round(x, 4) for x in list(p.intervals)],  # a copy: the main thread adds
+    }
 
 
 def _fr(_req: dict) -> dict:

@@ -29,26 +29,27 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import os
 import socket
 import time
 import uuid
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from areal_cli import backends
+from areal_cli.backends import protocol_for
 from areal_cli.backends import protocol_vllm as _vllm
-from areal_cli.backends.protocol import Completion, for_backend
+from areal_cli.backends.protocol import Completion
 from areal_cli.backends.protocol import version_str as _version_str
 from areal_cli.backends.protocol import version_tuple as _version_tuple
 from areal_cli.backends.protocol_sglang import sampling_params as _sampling
 from areal_cli.errors import LaunchError, UsageError
 from areal_cli.worker.channel import report_progress
 
-BACKENDS = ("sglang", "hf", "vllm")
-PAUSE_MODES = {"sglang": for_backend("sglang").PAUSE_MODES, "vllm": _vllm.PAUSE_MODES}
-VLLM_SPANS = _vllm.SPANS_SINCE
 T = TypeVar("T")
+_log = logging.getLogger("areal.worker")
 
 
 class RolloutError(LaunchError):
@@ -70,6 +71,17 @@ class _Server:
     # A server whose weight update failed keeps serving old weights: never sample from it
     # again until an update succeeds.
     stale: bool = False
+    # It stopped answering (refused, reset): it may have been restarted, with its base
+    # weights, so its weight version is asked before it gets another rollout.
+    suspect: bool = False
+    # Restarted: back at its initial weights while the trainer's moved on. Stale until a
+    # sync reaches it (on the ranks that do not sync: until it reports another version).
+    reset: bool = False
+    # Discovery (the registry): who it listed this server as last (its pid and start), None
+    # while never listed; `unlisted` once it left discovery (its runner took it out: it
+    # died, or stopped answering) until it is listed again.
+    listed: Any = None
+    unlisted: bool = False
     model_name: str | None = None  # vLLM needs the served model's name in every request
     # vLLM: its version from GET /version, e.g. (0, 32); None when it did not say.
     engine_version: tuple[int, ...] | None = None
@@ -77,7 +89,7 @@ class _Server:
     facts: asyncio.Future | None = None
 
     def live(self, now: float) -> bool:
-        return not self.stale and self.down_until <= now
+        return not self.stale and not self.unlisted and self.down_until <= now
 
 
 ServerState = _Server  # the public name of one server's state in the pool
@@ -123,7 +135,7 @@ class RolloutClient:
     def __init__(
         self,
         servers: Iterable[str],
-        backend: str = "sglang",
+        backend: str = backends.FALLBACK,
         api_key: str | None = None,
         *,
         max_concurrency: int = 128,
@@ -135,22 +147,27 @@ class RolloutClient:
         stall_timeout: float = 10.0,
         probe_timeout: float = 5.0,
         max_cooldown: float = 60.0,
+        discover: Callable[[], dict[str, Any]] | None = None,
+        discover_every: float = 1.0,
     ):
         """`timeout`: seconds one generation request may take; `control_timeout`: one
         control call (pause, weight update, ...); `stall_timeout` and `probe_timeout`: how
         soon a server that stopped answering counts as hung (0 turns the check off);
         `cooldown`: how long a failed server is skipped at first, doubling to
-        `max_cooldown` while it keeps failing."""
+        `max_cooldown` while it keeps failing. `discover`: what discovery lists now, {addr:
+        identity} (`registry_view`), asked at most every `discover_every` seconds before a
+        batch or a sync: a server out of it gets nothing, one listed under a new identity
+        (restarted) is asked for its weights before it gets a rollout."""
         addrs = [_normalise_addr(a) for a in servers if a and a.strip()]
         if not addrs:
             raise UsageError(
                 "no inference server addresses given",
                 hint="start servers with `areal serve` or set AREAL_LLM_SERVER_ADDRS=host:port,...",
             )
-        if backend not in BACKENDS:
+        if backends.find(backend) is None:
             raise UsageError(
                 f"unknown server backend {backend!r}",
-                hint=f"use one of: {', '.join(BACKENDS)}",
+                hint=f"use one of: {', '.join(backends.names())}",
             )
         if max_concurrency < 1:
             raise UsageError("max_concurrency must be at least 1")
@@ -172,7 +189,7 @@ class RolloutClient:
         self.probe_timeout = probe_timeout
         self.max_cooldown = max(cooldown, max_cooldown)
         # The engine's wire protocol: routes, bodies and replies (backends/protocol_*.py).
-        self.protocol = for_backend(backend)
+        self.protocol = protocol_for(backend)
         self._probe_path = self.protocol.PROBE_PATH
         self._servers = [_Server(a) for a in dict.fromkeys(addrs)]
         # Breaks ties between equally loaded servers, so an idle pool fills evenly.
@@ -185,6 +202,12 @@ class RolloutClient:
         self._own_loop: asyncio.AbstractEventLoop | None = None
         self._watchdog: asyncio.TimerHandle | None = None
         self._hung: dict[asyncio.Task, str] = {}  # tasks the watchdog cancelled, and why
+        # The weight version the pool reported last: what a server that says nothing yet
+        # should hold (a restarted one reports its initial version instead).
+        self._version_seen: str | None = None
+        self._discover = discover
+        self._discover_every = discover_every
+        self._discovered_at: float | None = None
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # Every request says which trainer sends it: a server of ours lets one trainer own
         # its weights at a time (SGLang and vLLM ignore the headers).
@@ -283,7 +306,7 @@ class RolloutClient:
         best: list[_Server] = []
         best_key: tuple[bool, int] | None = None
         for s in self._servers:  # one pass: this runs once per request
-            if s.stale or s.down_until > now:
+            if s.stale or s.unlisted or s.down_until > now:
                 continue
             key = (s.addr in tried, s.in_flight)
             if best_key is None or key < best_key:
@@ -449,6 +472,7 @@ class RolloutClient:
             raise _Retryable(f"timed out after {took:g}s on {path}") from e
         except aiohttp.ClientError as e:
             # Connection refused, reset, server disconnected mid-response.
+            server.suspect = True
             raise _Retryable(f"{type(e).__name__}: {e}") from e
 
     async def _get_first(self, server: _Server, paths: Sequence[str], timeout: float,
@@ -502,6 +526,8 @@ class RolloutClient:
                     if server is None:
                         break
                 tried.add(server.addr)
+                if server.suspect and not await self._recheck(server):
+                    continue
                 server.in_flight += 1
                 try:
                     proto = self.protocol
@@ -535,9 +561,69 @@ class RolloutClient:
             # A pause in abort mode, an /abort_request or a shutdown: the partial output
             # is not a sample of any one policy. Try again (it waits out a pause).
             raise _Retryable(f"{server.addr} aborted the request", cooldown=False)
+        if self._went_back(server, done.weight_version):
+            # Restarted while nothing failed here (between two requests): the sample is of
+            # its base weights, never the trainer's policy.
+            raise _Retryable(f"{server.addr} was restarted: it holds its base weights again",
+                             cooldown=False)  # fmt: skip
         if done.weight_version is not None:
-            server.weight_version = done.weight_version
+            server.weight_version = self._version_seen = done.weight_version
         return done
+
+    def _went_back(self, server: _Server, version: str | None) -> bool:
+        """Whether `server` reports its initial weights where the pool's moved on: it was
+        restarted (versions only move forward otherwise). Then it is out of sampling."""
+        from areal_cli.worker.agree import INITIAL_VERSION
+
+        if version != INITIAL_VERSION:
+            return False
+        if server.reset:  # known already: every request that was in flight to it too
+            return True
+        known = server.weight_version or self._version_seen
+        if known in (None, INITIAL_VERSION):
+            return False
+        _log.warning("%s was restarted: it holds its base weights, not version %s; no rollout "
+                     "goes to it until a weight sync reaches it", server.addr, known)  # fmt: skip
+        server.stale = server.reset = True
+        server.weight_version = version
+        return True
+
+    async def _recheck(self, server: _Server) -> bool:
+        """Whether a server that stopped answering may have a rollout again: it answers,
+        and holds the weights it held (not the base weights of a restart)."""
+        try:
+            version = await self._fetch_version(server)
+        except _Retryable as e:
+            if e.cooldown:
+                self._mark_down(server, str(e))
+            return False
+        except RolloutError as e:
+            server.last_error = str(e)
+            return False
+        server.suspect, server.down_until = False, 0.0  # it answers: no cooldown to wait out
+        if self._went_back(server, version):
+            return False
+        if version is not None:
+            server.weight_version = version
+        return True
+
+    async def _recheck_reset(self) -> None:
+        """Servers out of sampling since a restart are back once they report another version
+        than their base one: a sync reached them (this client may not be the one that synced:
+        only rank 0's client talks to the servers during a sync)."""
+        from areal_cli.worker.agree import INITIAL_VERSION
+
+        now = time.monotonic()
+        waiting = [s for s in self._servers if s.reset and s.down_until <= now]
+        if not waiting:
+            return
+        got = await asyncio.gather(*(self._fetch_version(s) for s in waiting),
+                                   return_exceptions=True)  # fmt: skip
+        for server, version in zip(waiting, got, strict=True):
+            if isinstance(version, BaseException) or version in (None, INITIAL_VERSION):
+                continue
+            server.stale = server.reset = server.suspect = False
+            server.weight_version = version
 
     async def _vllm_model(self, server: _Server) -> str:
         if server.model_name is None:
@@ -608,6 +694,8 @@ class RolloutClient:
         cancels the rest and is raised.
         """
         self._ensure_session()
+        await self.refresh()
+        await self._recheck_reset()
         params = _sampling(**sampling)
         tasks = [
             asyncio.ensure_future(self._generate(p, params)) for p in prompts for _ in range(n)
@@ -629,7 +717,34 @@ class RolloutClient:
 
     def _reachable(self) -> list[_Server]:
         now = time.monotonic()
-        return [s for s in self._servers if s.down_until <= now]
+        return [s for s in self._servers if s.down_until <= now and not s.unlisted]
+
+    async def refresh(self) -> None:
+        """What discovery lists now (at most every `discover_every` seconds): a server its
+        runner took out (dead, restarting) gets nothing; one listed again under another
+        identity was restarted, and is back at once, to be asked for its weights first. A
+        registry that does not answer changes nothing."""
+        now = time.monotonic()
+        if self._discover is None or (self._discovered_at is not None
+                                      and now - self._discovered_at < self._discover_every):  # fmt: skip
+            return
+        self._discovered_at = now
+        try:
+            found = await asyncio.to_thread(self._discover)
+        except Exception as e:  # a registry down for a moment: the servers answer for themselves
+            _log.debug("discovery refresh failed: %s", e)
+            return
+        for s in self._servers:
+            ident = found.get(s.addr)
+            if ident is None:
+                s.unlisted = s.listed is not None  # servers never listed are not its to judge
+                continue
+            if s.listed is not None and ident != s.listed:
+                _log.warning("%s is listed again by another process (restarted): its weights "
+                             "are asked before it gets a rollout, and a weight sync realigns "
+                             "it", s.addr)  # fmt: skip
+                s.suspect, s.down_until, s.failures = True, 0.0, 0
+            s.listed, s.unlisted = ident, False
 
     def server(self, addr: str) -> _Server:
         return next(s for s in self._servers if s.addr == addr)
@@ -771,7 +886,8 @@ class RolloutClient:
             await self._control(server, route, body)
         reported = await self._fetch_version(server)
         server.weight_version = reported if reported is not None else version
-        server.stale = False
+        self._version_seen = server.weight_version or self._version_seen
+        server.stale = server.reset = server.suspect = False
         return server.weight_version
 
     async def update_weights_from_disk(
@@ -876,9 +992,11 @@ class RolloutClient:
     def mark_updated(self, addrs: Sequence[str], version: str | None) -> None:
         """After a weight sync: these servers hold the new weights, every other one is stale."""
         fresh = set(addrs)
+        if version is not None and fresh:
+            self._version_seen = version
         for s in self._servers:
             if s.addr in fresh:
-                s.stale = False
+                s.stale = s.reset = s.suspect = False
                 s.weight_version = version if version is not None else s.weight_version
             else:
                 s.stale = True
@@ -940,3 +1058,19 @@ def _owner_headers() -> dict[str, str]:
     name = f"{job or 'a trainer'} (pid {pid} on {host})"
     return {OWNER_HEADER: _OWNER_TOKEN, OWNER_NAME_HEADER: name,
             OWNER_PROCESS_HEADER: f"{host}:{pid}"}  # fmt: skip
+
+
+def registry_view(url: str | None, experiment: str, trial: str) -> Callable[[], dict[str, Any]]:
+    """What `discover` asks: the servers the registry lists for a job now, each as (pid,
+    start), which changes when its runner starts it again. The registry is opened once, at
+    the first call (an etcd registry logs in)."""
+    opened: list[Any] = []
+
+    def listed() -> dict[str, Any]:
+        if not opened:
+            from areal_cli.registry import open_registry
+
+            opened.append(open_registry(url))
+        return {e.addr: (e.pid, e.started) for e in opened[0].list(experiment, trial).servers}
+
+    return listed

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from areal_cli import settings
+from areal_cli.backends import FALLBACK
 from areal_cli.errors import UsageError
 from areal_cli.parallel import ParallelDims, fsdp_mesh
 
@@ -105,6 +106,12 @@ class WorkerContext:
             )
         kwargs.setdefault("backend", self.backend)
         kwargs.setdefault("api_key", self.api_key)
+        if os.environ.get("AREAL_REGISTRY"):
+            from areal_cli.worker.rollout import registry_view
+
+            # A server its runner restarts (base weights again) is told by the registry.
+            view = registry_view(os.environ["AREAL_REGISTRY"], self.experiment, self.trial)
+            kwargs.setdefault("discover", view)
         return RolloutClient(self.servers, **kwargs)
 
     def close(self) -> None:
@@ -205,7 +212,7 @@ def connect(*, timeout_s: float = 600.0) -> WorkerContext:
     trial = os.environ.get("AREAL_TRIAL") or settings.DEFAULT_TRIAL
     servers = [a.strip() for a in os.environ.get("AREAL_LLM_SERVER_ADDRS", "").split(",")]
     servers = [a for a in servers if a]
-    backend = os.environ.get("AREAL_SERVER_BACKEND") or "sglang"
+    backend = os.environ.get("AREAL_SERVER_BACKEND") or FALLBACK
     api_key = os.environ.get("AREAL_API_KEY") or None
     if not servers and os.environ.get("AREAL_WAIT_SERVERS"):
         servers, backend, api_key = _discover(experiment, trial, rank, world_size)
@@ -261,7 +268,7 @@ def _discover(experiment: str, trial: str, rank: int, world_size: int):
         from areal_cli.errors import WaitTimeout
 
         raise WaitTimeout(error)
-    return addrs, backend or "sglang", key
+    return addrs, backend or FALLBACK, key
 
 
 def _register_rank(experiment: str, trial: str, rank: int, local_rank: int, world_size: int):

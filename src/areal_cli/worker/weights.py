@@ -324,6 +324,7 @@ async def _reload(
     client: RolloutClient, path: Path, version: str | None, pause_mode: str | None
 ) -> dict[str, Any]:
     _SYNCED.add(client)
+    await client.refresh()  # a restarted server is back: this sync realigns it
     await client.pause(pause_mode)
     try:
         got = await client.update_weights_from_disk(str(path), version=version)
@@ -829,6 +830,7 @@ async def _ensure_transfer(
     """The client's group, made now if there is none or the reachable servers changed."""
     from areal_cli.worker.rollout import RolloutError
 
+    await client.refresh()  # a restarted server is back: this sync realigns it
     candidates = [s.addr for s in client.reachable() if s.addr not in exclude]
     if not candidates:
         raise client.no_server_error("weight sync")

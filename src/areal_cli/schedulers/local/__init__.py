@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 class LocalScheduler(Scheduler):
     name = "local"
+    records = "jobs"
 
     def __init__(self, home: Path | None = None, registry: str | None = None):
         self.home = home or settings.home()
@@ -184,14 +185,18 @@ class LocalScheduler(Scheduler):
         out = []
         ranks = _live_ranks([rec for rec, state in rows if state in records.LIVE],
                             self._unanswered)  # fmt: skip
-        errors = _server_errors([rec for rec, state in rows if state in records.LIVE],
-                                self._unanswered)  # fmt: skip
+        entries = _server_entries([rec for rec, state in rows if state in records.LIVE],
+                                  self._unanswered)  # fmt: skip
         for rec, state in rows:
             servers = [
                 ServerStatus(
-                    addr=p.addr, healthy=bool(health.get(p.addr)), pid=p.server_pid or p.pid,
+                    addr=p.addr, healthy=bool(health.get(p.addr)),
+                    # A restarted server's pid is its entry's: the record keeps the first.
+                    pid=getattr(entries.get(p.addr), "pid", None) or p.server_pid or p.pid,
                     gpus=p.gpus, node=rec.host, exit_code=p.exit_code,
-                    paused=paused.get(p.addr, False), errors=errors.get(p.addr),
+                    paused=paused.get(p.addr, False),
+                    errors=getattr(entries.get(p.addr), "errors", None),
+                    restarts=getattr(entries.get(p.addr), "restarts", 0),
                 )
                 for p in rec.processes
                 if p.role == "server" and p.addr
@@ -212,6 +217,7 @@ class LocalScheduler(Scheduler):
                     exit_code=rec.exit_code,
                     marker=rec.marker,
                     watchdog=rec.watchdog,
+                    restarts=rec.restarts,
                     ranks_alive=ranks.get(rec.marker, (None, None))[0],
                     world_size=ranks.get(rec.marker, (None, None))[1],
                 )
@@ -298,12 +304,10 @@ class LocalScheduler(Scheduler):
     def _deregister(self, url: str, rec: records.JobRecord, servers_gone: bool) -> int | str:
         """The job's entries removed from one registry: how many, or what was left and why."""
         from areal_cli.errors import ArealError, WaitTimeout
-        from areal_cli.registry import open_registry
+        from areal_cli.registry import open_registry, registry_class
 
-        fate = (
-            "etcd drops them when their lease runs out (the TTL: 30 s unless AREAL_REGISTRY_TTL)"
-            if url.startswith("etcd://")
-            else "readers skip such entries: their servers are gone"
+        fate = registry_class(url).leftovers_expire or (
+            "readers skip such entries: their servers are gone"
             if servers_gone
             else "readers skip such entries once their heartbeat is older than the TTL"
         )
@@ -357,9 +361,9 @@ def _paused_servers(rows: list, here: str) -> dict[str, bool]:
         return {a[0]: flag is True for a, flag in zip(asks, got, strict=True)}
 
 
-def _server_errors(recs: list, unanswered: dict[str, str]) -> dict[str, dict]:
-    """addr → the requests it answered with errors lately, as its runner put them in the
-    registry (areal_cli.request_errors); only the job's own entries (its marker)."""
+def _server_entries(recs: list, unanswered: dict[str, str]) -> dict:
+    """addr → its registry entry, where its runner puts the requests it answered with
+    errors lately (areal_cli.request_errors) and its restarts; the job's own (its marker)."""
     from areal_cli.errors import ArealError, WaitTimeout
     from areal_cli.registry import open_registry
 
@@ -374,7 +378,7 @@ def _server_errors(recs: list, unanswered: dict[str, str]) -> dict[str, dict]:
             continue
         except (ArealError, OSError):
             continue
-        out.update({e.addr: e.errors for e in entries if e.marker == rec.marker and e.errors})
+        out.update({e.addr: e for e in entries if e.marker == rec.marker})
     return out
 
 

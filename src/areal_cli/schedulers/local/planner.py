@@ -70,6 +70,9 @@ def plan(spec: JobSpec, home: Path, registry: Registry | str, check_packages: bo
         **plan_fields(spec, home, registry),
         watchdog=spec.watchdog if spec.trainer else 0.0,
         watchdog_action=spec.watchdog_action,
+        watchdog_auto=spec.watchdog_auto,
+        max_restarts=spec.max_restarts if spec.trainer else 0,
+        restart_on=spec.restart_on,
     )
     log_dir = Path(p.log_dir)
     inventory = gpus.detect(spec.gpus_flag)
@@ -101,10 +104,10 @@ def _plan_servers(p, role: ServerRole, inventory, free, held, log_dir, check_pac
             f"{role.backend} needs GPUs and this host has none ({_source(inventory)})",
             hint="the hf backend runs on CPU: --backend hf; or pass --gpus 0,1,...",
         )
-    if role.backend == "hf" and role.gpus_per_replica != 1:
+    if not backend.multi_gpu_replica and role.gpus_per_replica != 1:
         raise UsageError(
-            "the hf backend runs one replica per GPU (t1p1)",
-            hint="use d to add replicas, e.g. --alloc hf:d2",
+            f"the {backend.name} backend runs one replica per GPU (t1p1)",
+            hint=f"use d to add replicas, e.g. --alloc {backend.name}:d2",
         )
     if on_gpu and need > len(free):
         raise UsageError(

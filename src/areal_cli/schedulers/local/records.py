@@ -60,6 +60,7 @@ class JobRecord:
     exit_code: int | None = None
     updated: float = 0.0
     watchdog: dict | None = None  # the last stall's verdict (diagnose.watchdog.Stall)
+    restarts: list[dict] = field(default_factory=list)  # diagnose.restart.Decision, in order
 
     @property
     def name(self) -> str:

@@ -14,9 +14,16 @@ it. In the foreground the supervisor follows the log files for the terminal.
 
 The supervisor never prints. It reports through callbacks:
     on_event(kind, info)   "spawned" | "healthy" | "ready" | "server_lost" | "trainer_exit" |
+                           "restart" (a restart of the trainers or a refusal: its line) |
                            "stopping" | "resumed" (servers a stopped trainer left paused)
     on_line(label, line)   a line of a log ("server-0", "rank-1", "torchrun")
 and raises LaunchError (exit 1) or WaitTimeout (exit 3) for the first failure, root cause first.
+
+With plan.max_restarts, a failed trainer group is started again in the same job (the servers
+kept, AREAL_RESTART=<n> in its environment) when the doctor's root cause of the failure says a
+restart may pass (diagnose.restart); each decision is one line: an event, the supervisor's log
+and the job record (`areal ps`). The failed attempt's logs move to attempt-<n>/ of the log
+folder, so that the next failure is diagnosed from its own attempt's logs only.
 
 Run as `python -m areal_cli.schedulers.local.supervisor PLAN --home H --slot-fd N...` it is
 the daemon behind --detach.
@@ -33,6 +40,8 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import psutil
 
 from areal_cli import apikeys, files, logfiles, procs, settings
 from areal_cli.errors import (
@@ -116,6 +125,8 @@ class Supervisor:
         self.record: records.JobRecord | None = None
         self._watchdog = None  # diagnose.watchdog.Watchdog while trainers run
         self._stalled = None  # the stall that ends the job (--watchdog-action fail)
+        self._restarted = 0  # restarts of the trainer group so far
+        self._last_failure = None  # the failure the last restart followed (diagnose.restart)
 
     # -- public ---------------------------------------------------------------------------
 
@@ -184,9 +195,9 @@ class Supervisor:
             self._record_rendezvous(self.procs[-1])
         return self._watch()
 
-    def _spawn(self, p: ProcessPlan) -> None:
+    def _spawn(self, p: ProcessPlan, extra_env: dict[str, str] | None = None) -> None:
         settings.ensure_dir(Path(p.log_path).parent)
-        env = {**os.environ, procs.MARKER_ENV: self.plan.marker}
+        env = {**os.environ, procs.MARKER_ENV: self.plan.marker, **(extra_env or {})}
         if p.role == "server":
             argv = [sys.executable, "-m", "areal_cli.launchers.replica"]
             argv += [str(self.claim.plan_file), "--index", str(p.index)]
@@ -298,9 +309,12 @@ class Supervisor:
                 if code is not None:
                     self._record_exit(proc, code)
                     self.on_event("trainer_exit", {"label": proc.label, "code": code})
-                    if code != 0:
+                    if code == 0:
+                        return 0
+                    if not self._restart(proc, code):
                         raise self._failure(proc, code, "")
-                    return 0
+                    trainers = [p for p in self.procs if p.plan.role == "trainer"]
+                    break
             for proc in [p for p in self.procs if p.plan.role == "server" and not p.lost]:
                 code = proc.exit_code()
                 if code is not None:
@@ -323,16 +337,96 @@ class Supervisor:
             self.changed.wait(0.5)
             self.changed.clear()
         if self._stalled is not None:
+            from areal_cli.diagnose import watchdog
+
             s = self._stalled
             raise LaunchError(
                 f"watchdog: {s.headline()}",
-                detail=f"no rank progressed for {self.plan.watchdog:g}s",
+                detail=f"no rank progressed for {watchdog.stall_limit(s, self.plan.watchdog)}",
                 hint=f"the stacks, flight recorder dumps and last log lines: {s.bundle}"
                 + (f" (incomplete: {s.bundle_error})" if s.bundle_error else "")
                 if s.bundle
                 else f"no bundle was kept: {s.bundle_error}",
             )
         return self.stop_code
+
+    def _restart(self, failed: _Proc, code: int) -> bool:
+        """After a trainer failed: start the trainer group again when the root cause says a
+        restart may pass and the budget lasts (diagnose.restart). Says the decision either way
+        (with restarts on); True when the trainers run again, or a stop came meanwhile."""
+        if self.plan.max_restarts <= 0 or self.stop_requested.is_set():
+            return False
+        from areal_cli.diagnose import restart
+
+        # The rest of the group first: its lines end in the logs the doctor reads.
+        old = [p for p in self.procs if p.plan.role == "trainer"]
+        self._stop_trainers(old)
+        failure = restart.diagnose(self.plan.log_dir, exit_what=describe_exit(code))
+        decision = restart.decide(
+            failure, self._restarted, self.plan.max_restarts, self.plan.restart_on,
+            self._last_failure,
+        )  # fmt: skip
+        self._tell(decision)
+        if self.stop_requested.is_set():
+            return True  # Ctrl-C or areal stop during the restart: the stop ends the job
+        if not decision.restart:
+            return False
+        self._restarted, self._last_failure = decision.attempt, failure
+        restart.archive_logs(self.plan.log_dir, decision.attempt)
+        for proc in old:
+            self.procs.remove(proc)
+            self.record.processes = [r for r in self.record.processes if r.pid != proc.popen.pid]
+        for p in self.plan.trainers:
+            if self.stop_requested.is_set():  # Ctrl-C during the restart: the teardown is next
+                break
+            self._spawn(p, {restart.ENV: str(decision.attempt)})
+            self._record_rendezvous(self.procs[-1])
+        trainers = [p for p in self.procs if p.plan.role == "trainer"]
+        if trainers and self.plan.watchdog > 0:
+            self._start_watchdog(trainers)
+        return True
+
+    def _stop_trainers(self, old: list[_Proc]) -> None:
+        """The failed group's processes, whatever is left: its launchers' trees and ranks that
+        torchrun left behind (they carry the job's marker and torchrun's run id; servers do
+        not)."""
+        if self._watchdog is not None:
+            self._watchdog.close()
+            self._watchdog = None
+        left = procs.tree([p.popen.pid for p in old if p.popen.poll() is None])
+        for p in procs.find_marked(self.plan.marker):
+            try:
+                if "TORCHELASTIC_RUN_ID" in p.environ():
+                    left.append(p)
+            except (OSError, psutil.Error):
+                continue
+        procs.terminate(left, grace=5.0)
+        for p in old:
+            try:
+                p.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def _tell(self, decision) -> None:
+        """One line per decision: the event (the terminal, or the daemon's log), the job
+        record (`areal ps`) and, in the foreground, the supervisor's log in the log folder."""
+        self.record.restarts.append({**decision.to_json(), "time": time.time()})
+        try:
+            records.write(self.home, self.record)
+        except ArealError:
+            pass  # a full disk: the line is still said, and the end is recorded
+        self.on_event("restart", decision.to_json())
+        if self.on_line is None:
+            return  # the daemon's events are its log already (run_daemon)
+        from areal_cli.schedulers.local.launch import supervisor_log
+
+        try:
+            fd = os.open(supervisor_log(self.plan),
+                         os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)  # fmt: skip
+            with os.fdopen(fd, "a") as f:
+                f.write(f"{time.strftime('%H:%M:%S')} {decision.line}\n")
+        except OSError:
+            pass  # a full disk: the terminal and the record still have the line
 
     def _start_watchdog(self, trainers: list[_Proc]) -> None:
         from areal_cli.diagnose import targets, watchdog
@@ -346,6 +440,7 @@ class Supervisor:
             on_stall=self._on_stall,
             server_pids=self._server_pids,
             refused=self._refused,
+            auto=self.plan.watchdog_auto,
         )
         self._watchdog.start()
 
@@ -573,6 +668,9 @@ def run_daemon(plan_path: str, home: str, slot_fds: list[int]) -> int:
 
 
 def _log_event(kind: str, info: dict) -> None:
+    if kind == "restart":  # its own line, as the foreground's supervisor log has it
+        print(f"{time.strftime('%H:%M:%S')} {info['line']}", flush=True)
+        return
     print(f"{time.strftime('%H:%M:%S')} {kind} {json.dumps(info, default=str)}", flush=True)
 
 

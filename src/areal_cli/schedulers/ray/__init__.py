@@ -22,9 +22,10 @@ Importing this package imports no Ray: `areal ps` lists every scheduler.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
-from areal_cli import settings
+from areal_cli import plugins, settings
 from areal_cli.errors import UsageError
 from areal_cli.schedulers.api import LIVE, Handle, RunOpt, StopResult
 from areal_cli.schedulers.cluster import ClusterScheduler
@@ -47,6 +48,18 @@ class RayScheduler(ClusterScheduler):
     ):
         super().__init__(home, registry)
         self.address = address
+
+    def schedule(self, request, *, detach: bool, **kw) -> Handle:
+        if detach and request.plan.max_restarts:
+            # The trainers are restarted by the areal that follows the job (job.Watch); a
+            # detached job has none once the command returned.
+            from areal_cli.errors import UsageError
+
+            raise UsageError(
+                "--max-restarts on Ray needs the job in the foreground (areal restarts it)",
+                hint="drop --detach (tmux or nohup keep a foreground job running)",
+            )
+        return super().schedule(request, detach=detach, **kw)
 
     # -- hooks of ClusterScheduler ----------------------------------------------------------
 
@@ -128,3 +141,18 @@ class RayScheduler(ClusterScheduler):
         deregistered = job.finish(rec, self.home)
         cancelled = f"Ray job {rec.job_id}" if was_running else None
         return StopResult(rec.name, was_running, int(was_running), deregistered, cancelled)
+
+
+def _exit_at_once() -> bool:
+    """Once Ray was imported, its client threads and exit hooks take a second and more to
+    wind down: leave the cluster now (what Ray's exit hook would do, without its wait) and
+    let areal exit at once."""
+    if "ray" not in sys.modules:
+        return False
+    cluster = sys.modules.get("areal_cli.schedulers.ray.cluster")
+    if cluster is not None:
+        cluster.disconnect()
+    return True
+
+
+plugins.exit_hooks.append(_exit_at_once)

@@ -112,7 +112,7 @@ class Step:
         """Start the job's watchdog here (schedulers/ray/watch.py); False when it has none."""
         from areal_cli.schedulers.ray import watch
 
-        if self._dog is None:
+        if self._dog is None or self._dog.stop.is_set():  # re-armed after a restart
             self._dog = watch.start(self.run_dir, lambda: watch.stop_trainers(self.marker, nodes))
         return self._dog is not None
 

@@ -69,11 +69,13 @@ def _shared_fs(home: Path, registry: str, nodes) -> object:
 
     from areal_cli import settings
     from areal_cli.diagnose.check import FAIL, PASS, WARN, Row
+    from areal_cli.registry import open_registry
 
     token = secrets.token_hex(8)
     places = {"logs": home / "logs" / settings.user()}
-    if not registry.startswith("etcd://"):
-        places["registry"] = Path(registry) / settings.user()
+    reg = open_registry(registry)
+    if reg.shared_filesystem:  # its entries are files under its folder, its url
+        places["registry"] = Path(reg.url) / settings.user()
     probes = []
     try:
         for d in places.values():

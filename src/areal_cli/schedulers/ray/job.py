@@ -46,6 +46,8 @@ from areal_cli.schedulers.ray.planner import (
 from areal_cli.schedulers.ray.records import RayRecord
 
 POLL = 0.2
+# Seconds a restart waits for the other training nodes' torchrun to end by themselves.
+PEERS_END = 30.0
 STOPPED_BY_AREAL = "stopped by areal stop"
 KILLED_BY_RAY = "killed from Ray's side"
 EventFn = Callable[[str, dict], None]
@@ -525,6 +527,8 @@ class Watch(ClusterWatch):
             codes = {lb: self._exit_code(lb) for lb in trainers}
             if trainers:
                 bad = {lb: c for lb, c in codes.items() if c}
+                if bad and self._restart(sorted(trainers), next(iter(bad.values()))):
+                    continue
                 if bad or all(c == 0 for c in codes.values()):
                     return self._trainers_ended(codes)
             for i in sorted(set(self.ready) - self.lost):
@@ -548,6 +552,62 @@ class Watch(ClusterWatch):
             self.stop.wait(0.3)
 
     # -- pieces ---------------------------------------------------------------------------
+
+    def _restart(self, trainers: list[str], code: int) -> bool:
+        """A training node's torchrun failed: with --max-restarts, the doctor's root cause of
+        the attempt decides (diagnose.restart); a restart starts torchrun again in the same
+        actors, so in the same placement group, AREAL_RESTART=<n> in its environment. Each
+        decision is one line: an event, RUN/restarts.jsonl (`areal ps`) and the log folder's
+        supervisor-train.log. True when the trainers run again, or a stop came meanwhile."""
+        if self.plan.max_restarts <= 0 or self.stop.is_set():
+            return False
+        import ray
+
+        from areal_cli.diagnose import restart
+        from areal_cli.schedulers.ray import watch
+
+        # The other nodes' torchrun end by themselves once their peers are gone, each with its
+        # report (the failed rank's may be there only): wait for them a while, then stop what
+        # is left. The servers of a combined job stay.
+        deadline = time.monotonic() + PEERS_END
+        while any(self._exit_code(lb) is None for lb in trainers) and not self.stop.is_set():
+            if time.monotonic() > deadline:
+                break
+            self.stop.wait(0.1)
+        watch.stop_trainers(self.plan.marker, len(trainers))
+        log_dir = Path(self.plan.log_dir)
+        logs = sorted(str(p) for p in log_dir.glob("torchrun-*.log"))
+        past = restart.read_log(self.run)
+        failure = restart.diagnose(log_dir, logs, exit_what=describe_exit(code))
+        decision = restart.decide(
+            failure, sum(1 for d in past if d.get("restart")), self.plan.max_restarts,
+            self.plan.restart_on, restart.previous_failure(past),
+        )  # fmt: skip
+        try:
+            restart.append_log(self.run, decision)
+            with open(log_dir / "supervisor-train.log", "a") as f:
+                f.write(f"{time.strftime('%H:%M:%S')} {decision.line}\n")
+        except OSError:
+            pass  # a full disk: the event still says it
+        self.on_event("restart", decision.to_json())
+        if self.stop.is_set():
+            return True  # Ctrl-C or areal stop during the restart: the next check stops the job
+        if not decision.restart:
+            return False
+        restart.archive_logs(log_dir, decision.attempt)
+        for lb in trainers:
+            (self.run / f"{lb}.exit").unlink(missing_ok=True)
+        env = {**forwarded_env(), "AREAL_HOME": self.plan.home}
+        env[restart.ENV] = str(decision.attempt)
+        endpoint = None
+        if len(trainers) > 1:
+            endpoint = ray.get(self.actors["torchrun-0"].endpoint.remote(), timeout=30)
+        starts = [self.actors[lb].start.remote(runner_argv(self.plan, lb, endpoint), env)
+                  for lb in trainers]  # fmt: skip
+        ray.get(starts, timeout=60)
+        if self.plan.watchdog > 0:
+            ray.get(self.actors["torchrun-0"].watch.remote(len(trainers)), timeout=60)
+        return True
 
     def _check_actors(self) -> None:
         """An actor that died was killed from Ray's side (`ray kill`, its node lost; a Step

@@ -91,6 +91,9 @@ def plan(spec: JobSpec, home: Path, registry: Registry | str, address: str,
         nodes_seen=[n.describe() for n in nodes],
         watchdog=spec.watchdog if spec.trainer else 0.0,
         watchdog_action=spec.watchdog_action,
+        watchdog_auto=spec.watchdog_auto,
+        max_restarts=spec.max_restarts if spec.trainer else 0,
+        restart_on=spec.restart_on,
     )
     if spec.servers:
         _plan_servers(p, spec, check_packages)
@@ -113,9 +116,7 @@ def _plan_servers(p: RayPlan, spec: JobSpec, check_packages: bool) -> None:
     key = cluster_plan.server_key(p, spec)
     need = {"GPU": float(gpr)} if p.with_gpus else {"CPU": float(gpr)}
     for i in range(role.replicas):
-        argv = backend.argv(role, PORT_TOKEN, key, on_gpu=p.with_gpus)
-        if role.backend == "hf" and "--device" in argv:
-            argv[argv.index("--device") + 1] = "auto"  # whether CUDA works: known on the node
+        argv = backend.node_argv(backend.argv(role, PORT_TOKEN, key, on_gpu=p.with_gpus))
         env = backend.env(role, key, on_gpu=p.with_gpus)
         p.processes.append(
             RayProcess(

@@ -85,6 +85,7 @@ def start(run_dir: str, stop_trainers: Callable[[], None]):
         reach=reach, label=f"job {plan.experiment}/{plan.trial} (Ray job {plan.job_id})",
         on_stall=on_stall, servers=lambda: servers_by_node(plan),
         refused=request_errors.of_trial(plan.registry, plan.experiment, plan.trial),
+        auto=plan.watchdog_auto,
     )  # fmt: skip
 
 

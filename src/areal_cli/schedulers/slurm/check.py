@@ -10,6 +10,7 @@ from pathlib import Path
 from areal_cli import settings
 from areal_cli.diagnose.check import FAIL, PASS, WARN, Row
 from areal_cli.errors import ArealError
+from areal_cli.registry import open_registry
 from areal_cli.schedulers.slurm import cluster
 
 
@@ -54,8 +55,9 @@ def shared_fs_row(home: Path, registry: str, partition) -> Row:
     short job: a folder only this host sees breaks logs, discovery and the job's own plan."""
     token = secrets.token_hex(8)
     places = {"logs": home / "logs" / settings.user()}
-    if not registry.startswith("etcd://"):
-        places["registry"] = Path(registry) / settings.user()
+    reg = open_registry(registry)
+    if reg.shared_filesystem:  # its entries are files under its folder, its url
+        places["registry"] = Path(reg.url) / settings.user()
     probes = {}
     try:
         for what, d in places.items():

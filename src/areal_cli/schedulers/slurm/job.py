@@ -244,6 +244,7 @@ class Watch(ClusterWatch):
         super().__init__(plan, rec, home, stop, on_event, on_line, on_progress)
         self.info: cluster.JobInfo | None = None
         self.no_answer: cluster.Unreachable | None = None
+        self._told = 0  # the restart decisions already told (diagnose.restart.LOG)
 
     # -- phases ---------------------------------------------------------------------------
 
@@ -283,7 +284,9 @@ class Watch(ClusterWatch):
         LaunchError (root cause first) or Stopped."""
         while True:
             self._check_stop()
+            self._tell_restarts()
             if self._poll() and (self.info is None or self.info.state in ENDED):
+                self._tell_restarts()
                 return self._ended()
             for i in sorted(set(self.ready) - self.lost):
                 code = self._exit_code(f"server-{i}")
@@ -360,6 +363,15 @@ class Watch(ClusterWatch):
             if self.info.state == "running" and before == "starting":
                 self.rec.state = "starting"  # until its servers registered
         return True
+
+    def _tell_restarts(self) -> None:
+        """The batch side's restart decisions (schedulers/slurm/restart.py), each once."""
+        from areal_cli.diagnose import restart
+
+        log = restart.read_log(self.run)
+        for d in log[self._told :]:
+            self.on_event("restart", d)
+        self._told = len(log)
 
     def _failed_server(self, indices) -> int | None:
         for i in sorted(indices):

@@ -27,7 +27,7 @@ from areal_cli.schedulers.cluster_plan import ClusterPlan
 from areal_cli.schedulers.common import opened
 from areal_cli.schedulers.job_records import slot
 from areal_cli.schedulers.slurm import cluster, records
-from areal_cli.spec import JobSpec, ProcessPlan, ServerRole
+from areal_cli.spec import JobSpec, ProcessPlan
 
 
 @dataclass
@@ -111,6 +111,9 @@ def plan(
         runner_python=sys.executable,
         watchdog=spec.watchdog if spec.trainer else 0.0,
         watchdog_action=spec.watchdog_action,
+        watchdog_auto=spec.watchdog_auto,
+        max_restarts=spec.max_restarts if spec.trainer else 0,
+        restart_on=spec.restart_on,
     )
     if spec.servers:
         _plan_servers(p, spec, part_gpus, check_packages)
@@ -140,7 +143,7 @@ def _plan_servers(p: SlurmPlan, spec: JobSpec, part_gpus: int | None, check_pack
     if check_packages:
         backends.check_installed(backend, role.python)
     opts = spec.scheduler_opts
-    per_node = opts.gpus_per_node or (1 if role.backend == "hf" else part_gpus or gpr)
+    per_node = opts.gpus_per_node or (part_gpus or gpr if backend.multi_gpu_replica else 1)
     with_gpus = part_gpus != 0
     if gpr > per_node:
         if gpr % per_node:
@@ -161,10 +164,9 @@ def _plan_servers(p: SlurmPlan, spec: JobSpec, part_gpus: int | None, check_pack
     for i in range(role.replicas):
         argv = backend.argv(role, PORT_TOKEN, key, on_gpu=with_gpus)
         follower: list[str] = []
-        if role.backend == "hf":
-            argv = _device_auto(argv)
+        argv = backend.node_argv(argv)
         if span > 1:
-            argv, follower = _multi_node(role, argv, span)
+            argv, follower = backend.multi_node_argv(role, argv, span)
         p.processes.append(
             SlurmProcess(
                 **cluster_plan.replica_fields(p, role, backend, i, argv, backend.env(role, key)),
@@ -176,30 +178,6 @@ def _plan_servers(p: SlurmPlan, spec: JobSpec, part_gpus: int | None, check_pack
             )
         )
     cluster_plan.served(p, role)
-
-
-def _device_auto(argv: list[str]) -> list[str]:
-    """hf: whether CUDA works is known on the node only (Slurm binds the GPUs there)."""
-    out = list(argv)
-    if "--device" in out:
-        out[out.index("--device") + 1] = "auto"
-    return out
-
-
-def _multi_node(role: ServerRole, argv: list[str], span: int) -> tuple[list[str], list[str]]:
-    """One server over `span` nodes. The runners meet at an address the first node picks
-    ({dist_addr}); {node_rank} is each node's place. SGLang 0.5.23: --dist-init-addr --nnodes
-    --node-rank on every node (srt/arg_groups/fields/parallel.py:32-44). vLLM 0.33: --nnodes
-    --node-rank --master-addr --master-port, and --headless on the nodes after the first
-    (engine/arg_utils.py:1175-1178, entrypoints/cli/serve.py:69-76)."""
-    if role.backend == "sglang":
-        extra = ["--dist-init-addr", "{dist_addr}", "--nnodes", str(span)]
-        return argv + extra + ["--node-rank", "{node_rank}"], []
-    if role.backend == "vllm":
-        extra = ["--nnodes", str(span), "--node-rank", "{node_rank}"]
-        extra += ["--master-addr", "{dist_host}", "--master-port", "{dist_port}"]
-        return argv + extra, ["--headless"]
-    raise UsageError(f"{role.backend} cannot run one server over several nodes")
 
 
 def _plan_trainer(p: SlurmPlan, spec: JobSpec, part_gpus: int | None, registry) -> None:

@@ -79,6 +79,15 @@ def render(plan: SlurmPlan) -> str:
             _srun(p, het, exact=True),
             [*_IN_STEP, "step", "areal_cli.launchers.replica", f"$RUN/{PLAN_FILE}", "--index", str(p.index)],
         )  # fmt: skip
+    restarts = bool(trainers) and plan.max_restarts > 0
+    if restarts:
+        lines += [
+            f"# --max-restarts {plan.max_restarts}: after a failed attempt the doctor's root "
+            "cause decides (areal_cli.schedulers.slurm.restart);",
+            "# the trainers start again in this allocation, AREAL_RESTART=<n> in their "
+            "environment.",
+            "while :; do",
+        ]
     for p in trainers:
         runner = [*_IN_STEP, "job", "areal_cli.launchers.torchrun", "--log-dir", plan.log_dir]
         runner += ["--own-log", "torchrun-{node}.log", "--env-file", f"$RUN/{TRAINER_ENV_FILE}"]
@@ -89,7 +98,8 @@ def render(plan: SlurmPlan) -> str:
         if plan.watchdog > 0:
             lines += [
                 "",
-                f"# The watchdog (--watchdog {plan.watchdog:g}): on this node, beside training.",
+                f"# The watchdog (--watchdog {_watchdog_flag(plan)}): on this node, beside "
+                "training.",
                 '"$PY" -m areal_cli.schedulers.slurm.watch "$RUN" "$trainer" &',
                 "watcher=$!",
             ]
@@ -104,6 +114,15 @@ def render(plan: SlurmPlan) -> str:
                 'kill "$watcher" 2>/dev/null',
                 '[ -e "$RUN/watchdog.fail" ] && code=1  # the watchdog ended a stalled job',
             ]
+    if restarts:
+        lines += [
+            '[ "$code" = 0 ] && break',
+            '[ -e "$RUN/watchdog.fail" ] && break  # --watchdog-action fail: the job ends',
+            '"$PY" -m areal_cli.schedulers.slurm.restart "$RUN" "$code" || break',
+            "export AREAL_RESTART=$((${AREAL_RESTART:-0} + 1))",
+            f'rm -f "$RUN/torchrun.exit" "$RUN/{RENDEZVOUS_FILE}"',
+            "done",
+        ]
     if not trainers:
         lines += [
             "",
@@ -156,3 +175,7 @@ def _step(label: str, srun: list[str], command: list[str], after: list[str] = ()
         lines.append(f"    {q(after)}")
     lines[-1] += " &"
     return lines
+
+
+def _watchdog_flag(plan) -> str:
+    return "auto" if plan.watchdog_auto else f"{plan.watchdog:g}"

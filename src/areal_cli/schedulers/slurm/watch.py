@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         reach=sched.run_on_nodes, label=f"job {plan.experiment}/{plan.trial} (Slurm job "
         f"{job_id})", on_stall=on_stall, servers=lambda: servers_by_node(plan), python=plan.runner_python or None,
         refused=request_errors.of_trial(plan.registry, plan.experiment, plan.trial),
+        auto=plan.watchdog_auto,
     )  # fmt: skip
     try:
         while os.path.exists(f"/proc/{trainer}"):
