@@ -3,11 +3,14 @@ cluster schedulers' benchmarks (bench_slurm, bench_ray) measure the same way."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
 import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
@@ -28,6 +31,23 @@ def report(name: str, value: float, target: str, ok: bool) -> bool:
     mark = "ok" if ok else "MISSED"
     print(f"{name}: {value:.3f}   (target {target}, {mark})", flush=True)
     return ok
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def healthy(port: int, path: str = "/health", timeout: float = 10.0) -> bool:
+    """The server on this port answers `path` with 200 (polled by the readiness figures)."""
+    try:
+        # SGLang's /health takes a second and more (a generation, then a 1 s sleep): a shorter
+        # timeout would give up on the answer it waits for.
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+            return r.status == 200
+    except (OSError, http.client.HTTPException):
+        return False
 
 
 # -------------------------------------------------- cluster schedulers (bench_slurm, bench_ray)

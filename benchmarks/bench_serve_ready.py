@@ -12,39 +12,20 @@ torch) is remembered per interpreter after a first serve: the benchmark makes th
 check beforehand and prints what it cost. Without the build it prints a skip line.
 """
 
-import http.client
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
-from _common import AREAL, report
+from _common import AREAL, free_port, healthy, report
 from _engines import sglang_python
 
 from areal_cli.modelgen import create_tiny_model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def healthy(port: int) -> bool:
-    try:
-        # Its /health takes a second and more (a generation, then a 1 s sleep): a shorter
-        # timeout would give up on the answer it waits for.
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
-            return r.status == 200
-    except (OSError, http.client.HTTPException):
-        return False
 
 
 def direct(model: Path) -> float:
@@ -94,11 +75,7 @@ def via_areal(model: Path, env: dict) -> float:
 
 
 def ready(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
-            return r.status == 200
-    except (OSError, http.client.HTTPException):
-        return False
+    return healthy(port, "/ready", timeout=1)
 
 
 class Watch(threading.Thread):

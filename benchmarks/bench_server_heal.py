@@ -13,33 +13,17 @@ client's recheck and realignment.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-from _common import AREAL, loadavg, report
+from _common import AREAL, free_port, healthy, loadavg, report
 
 from areal_cli.modelgen import create_tiny_model
 
 TARGET = 2.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def own_start(argv: list[str], env: dict) -> float:

@@ -39,6 +39,22 @@ def fake_serve_args(model: Path, *extra: str) -> list[str]:
     return ["serve", "--backend", "hf", "--model", str(model), "--python", FAKE_PYTHON, *extra]
 
 
+def live_with_home(home: Path) -> list:
+    """Live processes (psutil, zombies left out) whose environment carries AREAL_HOME=`home`:
+    all that `areal` started for that home, whatever their parent now is."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get("AREAL_HOME") == str(home):
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
     """predicate()'s first true value within `timeout` seconds; else fail saying `what`."""
     deadline = time.monotonic() + timeout

@@ -38,6 +38,7 @@ from tests.docs.manual import (
     problem,
     read_blocks,
 )
+from tests.helpers import live_with_home
 
 VENV_BIN = Path(sys.executable).parent
 AREAL = str(VENV_BIN / "areal")
@@ -149,15 +150,7 @@ class Walk:
 
     def ours(self) -> list[psutil.Process]:
         """Live processes started by this page: every one carries its AREAL_HOME."""
-        found = []
-        for p in psutil.process_iter(["pid"]):
-            try:
-                if p.environ().get("AREAL_HOME") == str(self.home):
-                    if p.status() != psutil.STATUS_ZOMBIE:
-                        found.append(p)
-            except psutil.Error:
-                continue
-        return found
+        return live_with_home(self.home)
 
     def close(self) -> list[str]:
         """Stop what the page started; describe whatever survived (and kill it)."""

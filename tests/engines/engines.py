@@ -22,6 +22,7 @@ from typing import Any
 import psutil
 
 from areal_cli import apikeys, backends
+from tests.helpers import live_with_home
 from tests.integration.helpers_server import request
 
 AREAL = str(Path(sys.executable).parent / "areal")
@@ -117,15 +118,7 @@ class EngineServer:
 
     def processes(self) -> list[psutil.Process]:
         """Live processes that carry this server's AREAL_HOME (runner, engine, its workers)."""
-        out = []
-        for p in psutil.process_iter(["pid"]):
-            try:
-                if p.environ().get("AREAL_HOME") == str(self.home):
-                    if p.status() != psutil.STATUS_ZOMBIE:
-                        out.append(p)
-            except psutil.Error:
-                continue
-        return out
+        return live_with_home(self.home)
 
     def stop(self) -> subprocess.CompletedProcess:
         res = self.areal("stop", self.name, timeout=120)

@@ -46,10 +46,14 @@ def in_background(fn, *args):
     return t, out
 
 
-def wait_running(srv: EngineServer) -> None:
-    """Until the engine runs a request (vllm:num_requests_running, v1/metrics/loggers.py)."""
+def wait_running(srv: EngineServer, out: dict) -> None:
+    """Until the engine runs the request of `out` (vllm:num_requests_running,
+    v1/metrics/loggers.py); a request that ended before it was seen running fails at once,
+    with its reply, instead of waiting out the deadline."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
+        if "result" in out:
+            raise AssertionError(f"the request ended before it was seen running: {out['result']}")
         metrics = srv.get("/metrics")[1]
         for line in str(metrics).splitlines():
             if line.startswith("vllm:num_requests_running") and float(line.split()[-1]) >= 1:
@@ -91,7 +95,7 @@ def test_logprobs_match_transformers_on_the_same_weights(vllm, model):
 def test_pause_keep_freezes_in_flight_requests_until_resume(vllm):
     # rl/online/api_router.py:31-60: mode "keep" freezes requests, /resume continues them.
     t, out = in_background(complete, vllm, LONG)
-    wait_running(vllm)
+    wait_running(vllm, out)
     assert vllm.post("/pause?mode=keep") == (200, {"status": "paused"})
     assert vllm.get("/is_paused") == (200, {"is_paused": True})
     t.join(2.0)
@@ -106,7 +110,7 @@ def test_pause_keep_freezes_in_flight_requests_until_resume(vllm):
 
 def test_pause_abort_ends_in_flight_requests(vllm):
     t, out = in_background(complete, vllm, LONG)
-    wait_running(vllm)
+    wait_running(vllm, out)
     assert vllm.post("/pause?mode=abort") == (200, {"status": "paused"})
     t.join(60)
     status, body = out["result"]
@@ -116,11 +120,12 @@ def test_pause_abort_ends_in_flight_requests(vllm):
 
 
 def test_pause_wait_returns_once_in_flight_requests_are_done(vllm):
-    t, out = in_background(complete, vllm, {**LONG, "max_tokens": 60})
-    wait_running(vllm)
+    # 200 tokens: at a load of 15, 60 were done within one /metrics poll, never seen running.
+    t, out = in_background(complete, vllm, {**LONG, "max_tokens": 200})
+    wait_running(vllm, out)
     assert vllm.post("/pause?mode=wait") == (200, {"status": "paused"})
     assert "result" in out  # the pause answered only after the request had finished
-    assert len(out["result"][1]["choices"][0]["token_ids"]) == 60
+    assert len(out["result"][1]["choices"][0]["token_ids"]) == 200
     assert vllm.post("/resume")[0] == 200
     t.join(10)
 

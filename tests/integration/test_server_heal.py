@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import urllib.request
+from pathlib import Path
 
 import psutil
 import pytest
 
 from areal_cli import apikeys
 from areal_cli.registry import FileRegistry
+from areal_cli.schedulers.local import records
 from tests.helpers import AREAL, REPO, areal, fake_serve_args, wait_for
 
 
@@ -52,17 +55,30 @@ def _none_alive(pids) -> bool:
     )
 
 
+def _serve_detached(model, pidfile, *flags: str) -> list[dict]:
+    """`areal serve --detach` of stand-in servers that write their pids (and their
+    children's) to `pidfile`; the servers it reports."""
+    out = areal(*fake_serve_args(model, *flags, "--detach", "--json"),
+                env={"FAKE_SERVER_PIDFILE": str(pidfile)}, check=0)  # fmt: skip
+    return json.loads(out.stdout)["servers"]
+
+
+def _assert_nothing_left(pidfile, reg) -> None:
+    """After `areal stop`: no server nor anything it started alive, and none registered."""
+    wait_for(lambda: _none_alive(_pids(pidfile)), 10, "a server survived the stop")
+    assert FileRegistry(reg).list().servers == []
+
+
 def test_a_killed_server_comes_back_on_its_address_registered_and_counted(
     model, areal_env, tmp_path
 ):
     home, reg = areal_env
     pidfile = tmp_path / "pids"
-    env = {"FAKE_SERVER_PIDFILE": str(pidfile)}
-    out = areal(*fake_serve_args(model, "--alloc", "hf:d2", "--detach", "--json"), env=env,
-                check=0)  # fmt: skip
-    victim, other = json.loads(out.stdout)["servers"]
+    victim, other = _serve_detached(model, pidfile, "--alloc", "hf:d2")
     try:
-        first = _pids(pidfile)
+        # Each server writes "pid child-pid"; the two servers start in either order.
+        started = _pids(pidfile)
+        dead = [victim["pid"], dict(zip(started[::2], started[1::2], strict=True))[victim["pid"]]]
         os.kill(victim["pid"], signal.SIGKILL)
         back = wait_for(
             lambda: [
@@ -79,7 +95,7 @@ def test_a_killed_server_comes_back_on_its_address_registered_and_counted(
         assert entries[victim["addr"]].restarts == 1 and entries[victim["addr"]].pid == back["pid"]
         assert entries[other["addr"]].restarts == 0 and entries[other["addr"]].pid == other["pid"]
         # What the dead server left (its grandchild) went before the new one started.
-        wait_for(lambda: _none_alive(first[:2]), 10, "the dead server's child survived")
+        wait_for(lambda: _none_alive(dead), 10, "the dead server's child survived")
         logs = _logs()
         assert "server exited (killed by SIGKILL); deregistered" in logs
         assert "restarting the server (restart 1, 2 more allowed within the hour)" in logs
@@ -89,17 +105,13 @@ def test_a_killed_server_comes_back_on_its_address_registered_and_counted(
         assert _job()["state"] == "running"
     finally:
         areal("stop", "default/trial0", check=0)
-    wait_for(lambda: _none_alive(_pids(pidfile)), 10, "a server survived the stop")
-    assert FileRegistry(reg).list().servers == []
+    _assert_nothing_left(pidfile, reg)
 
 
 def test_past_its_budget_a_replica_ends_as_before(model, areal_env, tmp_path):
     home, reg = areal_env
     pidfile = tmp_path / "pids"
-    env = {"FAKE_SERVER_PIDFILE": str(pidfile)}
-    out = areal(*fake_serve_args(model, "--max-restarts", "1", "--detach", "--json"), env=env,
-                check=0)  # fmt: skip
-    (server,) = json.loads(out.stdout)["servers"]
+    (server,) = _serve_detached(model, pidfile, "--max-restarts", "1")
     try:
         os.kill(server["pid"], signal.SIGKILL)
         again = wait_for(
@@ -117,22 +129,19 @@ def test_past_its_budget_a_replica_ends_as_before(model, areal_env, tmp_path):
         assert "server-0" in ended and "SIGKILL" in ended, ended
     finally:
         areal("stop", "default/trial0", check=0)
-    wait_for(lambda: _none_alive(_pids(pidfile)), 10, "a server survived")
-    assert FileRegistry(reg).list().servers == []
+    _assert_nothing_left(pidfile, reg)
 
 
 def test_max_restarts_0_turns_restarts_off_and_bad_values_exit_2(model, areal_env, tmp_path):
     pidfile = tmp_path / "pids"
-    env = {"FAKE_SERVER_PIDFILE": str(pidfile)}
-    out = areal(*fake_serve_args(model, "--max-restarts", "0", "--detach", "--json"), env=env,
-                check=0)  # fmt: skip
-    (server,) = json.loads(out.stdout)["servers"]
+    (server,) = _serve_detached(model, pidfile, "--max-restarts", "0")
     try:
         os.kill(server["pid"], signal.SIGKILL)
         wait_for(lambda: _job()["state"] == "failed", 30, "the job never ended")
         assert "restarting" not in _logs()
     finally:
         areal("stop", "default/trial0", check=0)
+    _assert_nothing_left(pidfile, areal_env[1])
     bad = areal(*fake_serve_args(model, "--max-restarts", "-1", "--dry-run"), check=2)
     assert "Traceback" not in bad.stderr and "--max-restarts" in bad.stderr
     cfg = tmp_path / "job.yaml"
@@ -164,8 +173,56 @@ def test_a_stop_during_a_restart_leaves_nothing_running(model, areal_env, tmp_pa
     finally:
         proc.kill()
     assert "restarting the server (restart 1" in err and "[server-0]" in err
-    wait_for(lambda: _none_alive(_pids(pidfile)), 10, "a server survived the stop")
-    assert FileRegistry(reg).list().servers == []
+    _assert_nothing_left(pidfile, reg)
+
+
+STALLING_JOB = str(REPO / "tests" / "fixtures" / "scripts" / "watchdog_job.py")
+
+
+def test_the_job_record_follows_a_restarted_server_to_ps_the_watchdog_and_the_stop(
+    model, areal_env, tmp_path
+):
+    """After a restart the job record names the server that serves, not the first one: `areal
+    ps` shows its pid, a stalled trainer's watchdog keeps its stack, `areal stop` ends it."""
+    home, reg = areal_env
+    pidfile = tmp_path / "pids"
+    (first,) = _serve_detached(model, pidfile, "--alloc", "hf:d1")
+    path = records.record_path(home, "default", "trial0", "serve")
+
+    def recorded() -> dict:
+        rec = json.loads(path.read_text())
+        return next(p for p in rec["processes"] if p["role"] == "server")
+
+    try:
+        assert recorded()["server_pid"] == first["pid"]
+        os.kill(first["pid"], signal.SIGKILL)  # the engine, not its runner
+        back = wait_for(
+            lambda: [s for s in _servers() if s["healthy"] and s.get("restarts") == 1],
+            30,
+            "never restarted",
+        )[0]
+        assert back["pid"] != first["pid"]
+        wait_for(lambda: recorded()["server_pid"] == back["pid"], 30,
+                 "the job record kept the first server's pid")  # fmt: skip
+        (entry,) = FileRegistry(reg).list().servers
+        assert recorded()["server_create_time"] == entry.pid_create_time
+        pids = _job()["pids"]
+        assert back["pid"] in pids and first["pid"] not in pids, pids
+        where = areal("ps", check=0).stdout
+        assert re.search(rf"pids\b[\d\s]*\b{back['pid']}\b", where), where
+        # A trainer on these servers (found in the registry) stalls; its watchdog keeps the
+        # stack of the server that serves now, by the pid the serving job's record holds.
+        areal("train", "--alloc", "fsdp:d2", "--watchdog", "3", "--watchdog-action", "fail",
+              STALLING_JOB, env={"STALL_RANK": "1", "STEPS": "3", "PLAIN": "1"}, timeout=240,
+              check=1)  # fmt: skip
+        train = next(j for j in json.loads(areal("ps", "--all", "--json", check=0).stdout)
+                     if j["name"] == "default/trial0" and j["kind"] == "train")  # fmt: skip
+        kept = sorted(x.name for x in (Path(train["watchdog"]["bundle"]) / "servers").iterdir())
+        assert kept == [f"server-pid{back['pid']}.json"], kept
+        assert _job()["state"] == "running"
+    finally:
+        areal("stop", "default/trial0", check=0)
+    _assert_nothing_left(pidfile, reg)  # the restarted server's pid is in the file too
 
 
 # -- the trainers' side: real hf servers, the GRPO example on two gloo ranks ----------------

@@ -5,62 +5,21 @@ repeat. Nothing is left afterwards (the leak check, and no queued job)."""
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import signal
-import subprocess
 from pathlib import Path
 
-from tests.helpers import AREAL, REPO, areal, wait_for
+import pytest
 
-SCRIPT = str(REPO / "tests" / "scenarios" / "restart_steps.py")
+from tests.integration import restart_checks as rc
+
 SLURM = ("--scheduler", "slurm", "--alloc", "fsdp:d2", "--gpus-per-node", "1", "--servers",
          "none", "--watchdog", "0")  # fmt: skip
-
-
-def _script(scen, fail: str) -> list[str]:
-    """The scenario, its folder and its failure (restart_steps.py's arguments)."""
-    return [SCRIPT, str(scen), fail]
-
-
-def _decisions(text: str) -> list[str]:
-    return [x for x in text.splitlines() if x.startswith(("restart ", "not restarting: "))]
-
-
-def _job(name: str) -> dict:
-    jobs = json.loads(areal("ps", "--all", "--json", check=0).stdout)
-    return next(j for j in jobs if j["name"] == name)
 
 
 def test_sigkilled_rank_restarts_in_the_same_allocation(slurm_env, tmp_path):
     scen = tmp_path / "scen"
     scen.mkdir()
-    proc = subprocess.Popen(
-        [AREAL, "train", *SLURM, "-e", "rs", "-t", "kill", "--max-restarts", "2",
-         *_script(scen, "wait@3")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        wait_for(
-            lambda: (scen / "ready-1").exists() or proc.poll() is not None, 180, "rank 1 at step 3"
-        )
-        assert proc.poll() is None, proc.communicate()
-        os.kill(int((scen / "pid-1").read_text()), signal.SIGKILL)
-        _, err = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.communicate(timeout=60)
-    assert proc.returncode == 0, err[-3000:]
-    (line,) = _decisions(err)
-    assert line.startswith("restart 1/2: rank 1 killed by SIGKILL (signal)"), line
-    for rank in (0, 1):
-        assert (scen / f"runs-{rank}").read_text().splitlines() == ["- 1", "1 3"]
-        assert (scen / f"step-{rank}").read_text() == "6"
-    job = _job("rs/kill")
-    assert job["state"] == "stopped" and job["exit_code"] == 0
-    assert [r["line"] for r in job["restarts"]] == [line]
+    line, job = rc.killed_step_script([*SLURM, "-e", "rs", "-t", "kill"], scen,
+                                      ready_s=180, end_s=240)  # fmt: skip
     # One allocation: the restart is a new step of the same Slurm job, said in its output.
     assert line in (Path(job["log_dir"]) / "supervisor-train.log").read_text()
     for rank in (0, 1):
@@ -70,11 +29,22 @@ def test_sigkilled_rank_restarts_in_the_same_allocation(slurm_env, tmp_path):
         assert job1 == job2 == job["job_id"] and step1 != step2
 
 
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_grpo_killed_rank_resumes_from_its_checkpoint(slurm_env, tmp_path):
+    """Issue #26 on Slurm: hf servers in a Slurm job of their own, the GRPO example on both
+    nodes; rank 1 SIGKILLed once a checkpoint exists comes back as a new step of the same
+    allocation and goes on from that checkpoint, with the servers brought back to it."""
+    from areal_cli.modelgen import create_tiny_model
+
+    tiny = create_tiny_model(tmp_path / "tiny", seed=0)
+    with rc.serving("slurm", tiny, "rs/grpo", timeout=240) as served:
+        _, job = rc.killed_grpo(["--scheduler", "slurm", "--alloc", "fsdp:d2", "--gpus-per-node",
+                                 "1"], "rs/grpo", 10, ready_s=360, end_s=480)  # fmt: skip
+    assert sorted(job["nodes"]) == ["n1", "n2"], job  # the ranks ran on both nodes
+    queued = slurm_env.run("squeue", "-h", "-o", "%i").stdout.split()
+    assert served["job_id"] not in queued and job["job_id"] not in queued, queued
+
+
 def test_deterministic_bug_is_not_retried(slurm_env, tmp_path):
-    res = areal("train", *SLURM, "-e", "rs", "-t", "bug", "--max-restarts", "3",
-                *_script(tmp_path, "value@3"), timeout=240)  # fmt: skip
-    assert res.returncode == 1, res.stderr[-3000:]
-    (line,) = _decisions(res.stderr)
-    assert re.match(r"not restarting: rank \d ValueError: bad batch shape", line), line
-    assert (tmp_path / "runs-0").read_text().splitlines() == ["- 1"]
-    assert [r["line"] for r in _job("rs/bug")["restarts"]] == [line]
+    rc.bug_not_retried([*SLURM, "-e", "rs", "-t", "bug"], tmp_path, timeout=240)

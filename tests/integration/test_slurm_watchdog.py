@@ -12,15 +12,16 @@ import sys
 import time
 from pathlib import Path
 
-from tests.helpers import AREAL, FAKE_PYTHON, REPO, areal, wait_for
+from tests.helpers import AREAL, FAKE_PYTHON, areal, wait_for
 from tests.integration.test_slurm import assert_nothing_left, record
 from tests.integration.watchdog_checks import (
+    SCRIPT,
     assert_failed_with_the_verdict_first,
     assert_one_stall_verdict,
     log_dir,
+    wait_verdict,
 )
 
-SCRIPT = str(REPO / "tests" / "fixtures" / "scripts" / "watchdog_job.py")
 TRAIN = ("train", "--scheduler", "slurm", "--alloc", "fsdp:d2", "--gpus-per-node", "1",
          "--servers", "none", "--watchdog", "4")  # fmt: skip
 STALL = {"STALL_RANK": "1", "STEPS": "3"}
@@ -109,15 +110,7 @@ def test_auto_follows_the_step_time_in_the_batch_job(slurm_env, areal_env):
     assert proc.returncode == 0, proc.stderr[-3000:]
     job = record(home, "train")["job_id"]
     try:
-
-        def verdict() -> str | None:
-            try:
-                text = (log_dir(home) / "watchdog.log").read_text()
-            except (OSError, AssertionError):
-                return None
-            return text if "verdict" in text else None
-
-        text = wait_for(verdict, 180, "no verdict", interval=0.2)
+        text = wait_verdict(home, 180)
         line = f"no rank progressed for {watchdog.FLOOR:g}s (auto: 10x the median step"
         assert line in text and "verdict mismatched_collective (odd ranks 1)" in text, text
         stall = json.loads((Path(text.split("bundle ", 1)[1].split()[0]) / "verdict.json")

@@ -6,53 +6,22 @@ steps take 0.8 x the watchdog's seconds gets none.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from helpers import AREAL, FAKE_PYTHON, areal
+from helpers import FAKE_PYTHON, areal
 
 from areal_cli import procs
-
-SCRIPT = str(Path(__file__).resolve().parents[1] / "fixtures" / "scripts" / "watchdog_job.py")
-
-
-def _train(trial: str, *flags: str, env: dict, alloc=("--servers", "none")) -> subprocess.Popen:
-    argv = [AREAL, "train", "--alloc", "fsdp:d2", *alloc, "--trial", trial, *flags, SCRIPT]
-    return subprocess.Popen(
-        argv,
-        env={**os.environ, "COLUMNS": "200", "FAKE_REAL_PYTHON": sys.executable, **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def _log_dir(home: Path, trial: str) -> Path:
-    found = list((home / "logs").glob(f"*/default/{trial}"))
-    assert found, list((home / "logs").rglob("*"))
-    return found[0]
+from tests.integration.watchdog_checks import SCRIPT, log_dir, stop, train, wait_verdict
 
 
 def test_a_stalled_job_gets_one_verdict_and_a_bundle(areal_env):
     home = areal_env[0]
-    p = _train("stall", "--watchdog", "3", env={"STALL_RANK": "1", "STEPS": "3"})
+    p = train("stall", "--watchdog", "3", env={"STALL_RANK": "1", "STEPS": "3"})
     try:
-
-        def verdict() -> bool:
-            assert p.poll() is None, p.communicate()
-            try:
-                return "verdict" in (_log_dir(home, "stall") / "watchdog.log").read_text()
-            except (OSError, AssertionError):
-                return False
-
-        assert procs.wait_until(verdict, 90, cap=0.2), "no verdict"
-        logs = _log_dir(home, "stall")
-        text = (logs / "watchdog.log").read_text()
+        text = wait_verdict(home, 90, "stall", job=p)
+        logs = log_dir(home, "stall")
         assert (
             "stall: no rank progressed for 3s; verdict mismatched_collective (odd ranks 1)" in text
         )
@@ -82,8 +51,7 @@ def test_a_stalled_job_gets_one_verdict_and_a_bundle(areal_env):
         assert (logs / "watchdog.log").read_text().count("stall:") == 1
         assert len(list(logs.glob("watchdog-*"))) == 1
     finally:
-        os.killpg(p.pid, signal.SIGINT)
-        p.communicate(timeout=60)
+        stop(p)
 
 
 def test_fail_action_ends_a_plain_script_with_exit_1_naming_the_verdict(areal_env, tmp_path):
@@ -92,7 +60,7 @@ def test_fail_action_ends_a_plain_script_with_exit_1_naming_the_verdict(areal_en
     model = tmp_path / "model"
     model.mkdir()
     with_server = ("--alloc", "hf:d1+fsdp:d2", "--model", str(model), "--python", FAKE_PYTHON)
-    p = _train("fail", "--watchdog", "3", "--watchdog-action", "fail", alloc=with_server,
+    p = train("fail", "--watchdog", "3", "--watchdog-action", "fail", alloc=with_server,
                env={"STALL_RANK": "1", "STEPS": "3", "PLAIN": "1"})  # fmt: skip
     out, err = p.communicate(timeout=120)
     assert p.returncode == 1, (out, err)
@@ -108,10 +76,10 @@ def test_fail_action_ends_a_plain_script_with_exit_1_naming_the_verdict(areal_en
 def test_a_healthy_job_with_slow_steps_gets_no_verdict(areal_env):
     home = areal_env[0]
     # Steps of 0.8 x the watchdog's seconds, reported with ctx.progress.
-    p = _train("slow", "--watchdog", "3", env={"STEPS": "3", "STEP_S": "2.4"})
+    p = train("slow", "--watchdog", "3", env={"STEPS": "3", "STEP_S": "2.4"})
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0, (out, err)
-    logs = _log_dir(home, "slow")
+    logs = log_dir(home, "slow")
     assert not (logs / "watchdog.log").exists()
     assert not list(logs.glob("watchdog-*"))
 
@@ -142,7 +110,7 @@ def test_watch_nodes_drives_any_scheduler_through_its_way_to_reach_nodes(areal_e
     from areal_cli.diagnose import watchdog
 
     home = areal_env[0]
-    p = _train("reach", "--watchdog", "0", env={"STALL_RANK": "1", "STEPS": "3"})
+    p = train("reach", "--watchdog", "0", env={"STALL_RANK": "1", "STEPS": "3"})
     calls: list[list[str]] = []
 
     def reach(job_id: str, commands: dict, timeout: float) -> dict:
@@ -160,15 +128,15 @@ def test_watch_nodes_drives_any_scheduler_through_its_way_to_reach_nodes(areal_e
             assert p.poll() is None, p.communicate()
             rows = json.loads(areal("ps", "--json", check=0).stdout)
             row = next((r for r in rows if r["trial"] == "reach"), None)
-            ready = row and (_log_dir(home, "reach") / "rank-1.log").exists()
+            ready = row and (log_dir(home, "reach") / "rank-1.log").exists()
             return row["marker"] if ready and "skips" in (
-                _log_dir(home, "reach") / "rank-1.log").read_text() else None  # fmt: skip
+                log_dir(home, "reach") / "rank-1.log").read_text() else None  # fmt: skip
 
         found = procs.wait_until(marker, 90, cap=0.2)
         assert found, "the job did not get to its stall"
         stalls = []
         dog = watchdog.watch_nodes(
-            2.0, _log_dir(home, "reach"), job_id="job-7", nodes=lambda: ["here"],
+            2.0, log_dir(home, "reach"), job_id="job-7", nodes=lambda: ["here"],
             marker=marker(), reach=reach, label="job default/reach", on_stall=stalls.append,
             tick=0.5,
         )  # fmt: skip
@@ -183,5 +151,4 @@ def test_watch_nodes_drives_any_scheduler_through_its_way_to_reach_nodes(areal_e
         assert (Path(s.bundle) / "summary.json").exists()
         assert len(stalls) == 1
     finally:
-        os.killpg(p.pid, signal.SIGINT)
-        p.communicate(timeout=60)
+        stop(p)

@@ -11,49 +11,15 @@ as a plain process, and a lower floor so that the factor, not the floor, makes t
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
-from helpers import AREAL, areal
+from helpers import areal
 
 from areal_cli import procs
 from areal_cli.diagnose import watchdog
-
-SCRIPT = str(Path(__file__).resolve().parents[1] / "fixtures" / "scripts" / "watchdog_job.py")
-
-
-def _train(trial: str, *flags: str, env: dict) -> subprocess.Popen:
-    argv = [AREAL, "train", "--alloc", "fsdp:d2", "--servers", "none", "--trial", trial, *flags,
-            SCRIPT]  # fmt: skip
-    return subprocess.Popen(
-        argv,
-        env={
-            **os.environ,
-            "COLUMNS": "200",
-            "FAKE_REAL_PYTHON": sys.executable,
-            "OMP_NUM_THREADS": "1",
-            **env,
-        },  # fmt: skip
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def _log_dir(home: Path, trial: str) -> Path:
-    found = list((home / "logs").glob(f"*/default/{trial}"))
-    assert found, list((home / "logs").rglob("*"))
-    return found[0]
-
-
-def _stop(p: subprocess.Popen) -> None:
-    os.killpg(p.pid, signal.SIGINT)
-    p.communicate(timeout=60)
+from tests.integration.watchdog_checks import SCRIPT, log_dir, stop, train, wait_verdict
 
 
 def test_a_job_of_short_steps_that_hangs_gets_its_verdict_at_the_floor(areal_env):
@@ -62,18 +28,9 @@ def test_a_job_of_short_steps_that_hangs_gets_its_verdict_at_the_floor(areal_env
     plan = json.loads(areal("train", "--alloc", "fsdp:d2", "--servers", "none", "--dry-run",
                             "--json", SCRIPT, check=0).stdout)  # fmt: skip
     assert plan["watchdog_auto"] is True and plan["watchdog"] == watchdog.DEFAULT_SECONDS
-    p = _train("short", env={"STALL_RANK": "1", "STEPS": "12", "STEP_S": "0.3"})
+    p = train("short", env={"STALL_RANK": "1", "STEPS": "12", "STEP_S": "0.3"})
     try:
-
-        def verdict() -> bool:
-            assert p.poll() is None, p.communicate()
-            try:
-                return "verdict" in (_log_dir(home, "short") / "watchdog.log").read_text()
-            except (OSError, AssertionError):
-                return False
-
-        assert procs.wait_until(verdict, 180, cap=0.2), "no verdict"
-        text = (_log_dir(home, "short") / "watchdog.log").read_text()
+        text = wait_verdict(home, 180, "short", job=p)
         bundle = Path(text.split("bundle ", 1)[1].split()[0])
         stall = json.loads((bundle / "verdict.json").read_text())
         assert stall["kind"] == "mismatched_collective" and stall["odd_ranks"] == [1], stall
@@ -89,7 +46,7 @@ def test_a_job_of_short_steps_that_hangs_gets_its_verdict_at_the_floor(areal_env
                    if r["trial"] == "short")  # fmt: skip
         assert row["watchdog"]["limit_s"] == watchdog.FLOOR
     finally:
-        _stop(p)
+        stop(p)
 
 
 def _reach(job_id: str, commands: dict, timeout: float) -> dict:
@@ -101,8 +58,10 @@ def _reach(job_id: str, commands: dict, timeout: float) -> dict:
     return out
 
 
-def _watch(home: Path, trial: str, p: subprocess.Popen, seconds: float, floor: float):
-    """watch_nodes on the job under `auto` as soon as it has a marker (before its steps)."""
+def _stalls(home: Path, trial: str, p: subprocess.Popen, seconds: float, floor: float,
+            timeout: float) -> list[watchdog.Stall]:  # fmt: skip
+    """watch_nodes on the job under `auto` as soon as it has a marker (before its steps),
+    until its first stall; the stalls it saw by then."""
 
     def marker() -> str | None:
         assert p.poll() is None, p.communicate()
@@ -114,11 +73,15 @@ def _watch(home: Path, trial: str, p: subprocess.Popen, seconds: float, floor: f
     found = marker()
     stalls: list[watchdog.Stall] = []
     dog = watchdog.watch_nodes(
-        seconds, _log_dir(home, trial), job_id="job-1", nodes=lambda: ["here"], marker=found,
+        seconds, log_dir(home, trial), job_id="job-1", nodes=lambda: ["here"], marker=found,
         reach=_reach, label=f"job default/{trial}", on_stall=stalls.append, tick=0.5,
         auto=True, floor=floor,
     )  # fmt: skip
-    return dog, stalls
+    try:
+        assert procs.wait_until(lambda: stalls, timeout, cap=0.2), "no stall"
+    finally:
+        dog.close()
+    return stalls
 
 
 def test_a_step_4x_the_others_is_no_stall_and_the_hang_after_it_is(areal_env):
@@ -126,14 +89,10 @@ def test_a_step_4x_the_others_is_no_stall_and_the_hang_after_it_is(areal_env):
     median step (the floor lowered to 2 s so that the factor makes the limit)."""
     home = areal_env[0]
     env = {"STALL_RANK": "1", "STEPS": "12", "STEP_S": "1.0", "SLOW_STEP": "8"}
-    p = _train("slow", "--watchdog", "0", env=env)
+    p = train("slow", "--watchdog", "0", env=env)
     try:
-        dog, stalls = _watch(home, "slow", p, seconds=300, floor=2.0)
-        try:
-            assert procs.wait_until(lambda: stalls, 240, cap=0.2), "no stall"
-        finally:
-            dog.close()
-        rank1 = (_log_dir(home, "slow") / "rank-1.log").read_text()
+        stalls = _stalls(home, "slow", p, seconds=300, floor=2.0, timeout=240)
+        rank1 = (log_dir(home, "slow") / "rank-1.log").read_text()
         assert "step 8 done" in rank1 and "skips the all_reduce of step 11" in rank1
         assert len(stalls) == 1, [s.to_json() for s in stalls]  # the slow step was none
         s = stalls[0]
@@ -144,28 +103,24 @@ def test_a_step_4x_the_others_is_no_stall_and_the_hang_after_it_is(areal_env):
         assert 4.0 < s.limit_s < watchdog.DEFAULT_SECONDS, s.to_json()
         assert s.idle_s >= s.limit_s
     finally:
-        _stop(p)
+        stop(p)
 
 
 def test_before_enough_steps_are_timed_the_fixed_value_applies(areal_env):
     """Two steps, then the hang: too few step times for a median; the fixed value (here 4 s,
     300 s by default) is the limit, and the verdict says so."""
     home = areal_env[0]
-    p = _train("early", "--watchdog", "0", env={"STALL_RANK": "1", "STEPS": "3"})
+    p = train("early", "--watchdog", "0", env={"STALL_RANK": "1", "STEPS": "3"})
     try:
-        dog, stalls = _watch(home, "early", p, seconds=4.0, floor=1.0)
-        try:
-            assert procs.wait_until(lambda: stalls, 120, cap=0.2), "no stall"
-        finally:
-            dog.close()
+        stalls = _stalls(home, "early", p, seconds=4.0, floor=1.0, timeout=120)
         s = stalls[0]
         assert s.kind == "mismatched_collective", s.to_json()
         assert s.limit_s == 4.0
         assert s.limit == f"auto: fixed until {watchdog.MIN_STEPS} steps are timed"
-        line = watchdog.log_line(_log_dir(home, "early"), s, 4.0)
+        line = watchdog.log_line(log_dir(home, "early"), s, 4.0)
         assert "no rank progressed for 4s (auto: fixed until 5 steps are timed)" in line
     finally:
-        _stop(p)
+        stop(p)
 
 
 def test_the_flag_and_the_yaml_key_take_auto_seconds_or_0(areal_env, tmp_path):

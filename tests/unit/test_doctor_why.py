@@ -433,3 +433,28 @@ def test_a_traceback_cut_by_the_teardown_does_not_outrank_what_killed_its_peer()
     assert (rep.root.kind, rep.root.rank, rep.root.exit_code) == ("signal", 1, -9)
     cut = next(e for e in rep.secondary if e.rank == 0)
     assert cut.cut and "traceback is cut" in cut.message and cut.where == "/home/me/job/train.py:40"
+
+
+def test_srun_tasks_of_a_torchrun_per_node_are_not_ranks():
+    # `areal train --scheduler slurm` on two nodes, rank 1 (node 2's local rank 0) SIGKILLed:
+    # srun then ends the step, killing node 1's torchrun (its task 0). Task 0 is a launcher,
+    # not rank 0: the root is the rank torchrun names, not the step's teardown.
+    srun = ["srun: error: n2: task 1: Exited with exit code 1",
+            "srun: launch/slurm: _step_signal: Terminating StepId=23.0",
+            "slurmstepd-n1: error: *** STEP 23.0 ON n1 CANCELLED AT 2026-12-05T11:31:00 ***",
+            "srun: error: n1: task 0: Killed"]  # fmt: skip
+    torchrun = ["E1205 11:30:57.894000 9078 torch/distributed/elastic/multiprocessing/api.py"
+                ":1002] failed (exitcode: -9) local_rank: 0 (pid: 9260) of binary: /bin/python3",
+                "Root Cause (first observed failure):", "[0]:",
+                "  time      : 2026-12-05_11:30:57", "  host      : localhost",
+                "  rank      : 1 (local_rank: 0)", "  exitcode  : -9 (pid: 9260)  (SIGKILL)",
+                "  error_file: <N/A>",
+                "  traceback : Signal 9 (SIGKILL) received by PID 9260"]  # fmt: skip
+    rep = why.analyze(why.parse_log("supervisor-train.log", srun)
+                      + why.parse_log("torchrun-n2.log", torchrun))  # fmt: skip
+    assert (rep.root.kind, rep.root.rank) == ("signal", 1), rep.root
+    assert "SIGKILL" in rep.root.message and "pid 9260" in rep.root.message
+    # Where srun started the ranks itself (no per-node launcher's report), a task is a rank:
+    # the first task that failed.
+    alone = why.analyze(why.parse_log("launcher.log", srun))
+    assert (alone.root.kind, alone.root.rank) == ("exit_code", 1), alone.root

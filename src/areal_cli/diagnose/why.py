@@ -373,10 +373,16 @@ def _from_torchrun_report(events: list[Event], kernel: Kernel | None) -> list[Ev
     # rank of the same pid (rank 1 is local_rank 0 on the second node of two).
     global_rank = {f["pid"]: f["rank"] for e in events for f in e.failures
                    if not f.get("local") and f["pid"] and f["rank"] is not None}  # fmt: skip
+    # srun's task numbers count what it started: with a torchrun per node (whose reports
+    # name the ranks) task 0 is the first node's torchrun, not rank 0, and its end in the
+    # step's teardown is not a rank's.
+    per_node = any(not f.get("srun") for e in events for f in e.failures)
     seen: set = set()
     for e in events:
         for f in e.failures:
             code, rank = f["exit_code"], f["rank"]
+            if f.get("srun") and per_node:
+                continue
             if f.get("local"):
                 rank = global_rank.get(f["pid"], rank)
             if code in (None, 0) or (rank is not None and rank in own):

@@ -606,8 +606,10 @@ def _srun_line(ctx: _Ctx, m: re.Match) -> Event:
     code = int(code) if code else -{"Killed": 9, "Segmentation fault": 11,
                                     "Aborted": 6}.get(how.strip(), 15)  # fmt: skip
     rank = int(tasks) if tasks.isdigit() else None  # several tasks: no one rank to name
-    return _report(ctx, rank, code, None, f"srun: task{'s' if rank is None else ''} "
-                   f"{tasks} on {node}: {how.strip()}", names=False)  # fmt: skip
+    ev = _report(ctx, rank, code, None, f"srun: task{'s' if rank is None else ''} "
+                 f"{tasks} on {node}: {how.strip()}", names=False)  # fmt: skip
+    ev.failures[0]["srun"] = True  # a task number: a rank only where srun started the ranks
+    return ev
 
 
 def _argparse(ctx: _Ctx, m: re.Match) -> Event:

@@ -191,7 +191,8 @@ class LocalScheduler(Scheduler):
             servers = [
                 ServerStatus(
                     addr=p.addr, healthy=bool(health.get(p.addr)),
-                    # A restarted server's pid is its entry's: the record keeps the first.
+                    # The entry's pid is the freshest: the supervisor's record follows a
+                    # restarted server's within a second (supervisor._follow_servers).
                     pid=getattr(entries.get(p.addr), "pid", None) or p.server_pid or p.pid,
                     gpus=p.gpus, node=rec.host, exit_code=p.exit_code,
                     paused=paused.get(p.addr, False),
@@ -271,6 +272,10 @@ class LocalScheduler(Scheduler):
                 procs.wait_until(lambda: not rec.alive(), timeout)
         # Only pids that are still the processes we started: an old record's pids may be reused.
         roots = [p.pid for p in rec.processes if procs.pid_alive(p.pid, p.create_time)]
+        # And the servers now serving (a runner's restart changes the pid; a server whose
+        # runner was killed is in no runner's tree): those with a create time to check it by.
+        roots += [p.server_pid for p in rec.processes if p.server_pid and p.server_create_time
+                  and procs.pid_alive(p.server_pid, p.server_create_time)]  # fmt: skip
         killed = procs.kill_job(rec.marker, roots, grace=3.0)
         left: list[str] = []
         alive = sorted({p.pid for p in procs.find_marked(rec.marker)}

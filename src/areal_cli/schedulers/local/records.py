@@ -35,7 +35,10 @@ class ProcessRecord:
     gpus: list[int] = field(default_factory=list)
     create_time: float | None = None
     exit_code: int | None = None
-    server_pid: int | None = None  # the server a replica runner started, once it registered
+    # The server its replica runner registered: the one serving now, since the runner starts a
+    # server that exited again (a new pid) and the supervisor follows its registry entry.
+    server_pid: int | None = None
+    server_create_time: float | None = None  # tells that server from a later owner of its pid
 
 
 @dataclass

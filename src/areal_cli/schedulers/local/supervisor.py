@@ -65,6 +65,9 @@ from areal_cli.spec import Plan, ProcessPlan
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: stopped by SIGTERM (areal stop, timeout)
 # Seconds the teardown waits for the registry to drop the job's entries.
 REGISTRY_WAIT = 1.0
+# Seconds between two looks at the job's registry entries while it runs: a replica runner
+# registers the server it started again (a new pid) under a fresh entry, and the record follows.
+FOLLOW_SERVERS_EVERY = 1.0
 
 EventFn = Callable[[str, dict], None]
 LineFn = Callable[[str, str], None]
@@ -127,6 +130,7 @@ class Supervisor:
         self._stalled = None  # the stall that ends the job (--watchdog-action fail)
         self._restarted = 0  # restarts of the trainer group so far
         self._last_failure = None  # the failure the last restart followed (diagnose.restart)
+        self._servers_seen = 0.0  # monotonic time of the last look at the registry's entries
 
     # -- public ---------------------------------------------------------------------------
 
@@ -254,16 +258,12 @@ class Supervisor:
                 listed = self.registry.list(self.plan.experiment, self.plan.trial).servers
             except ArealError:
                 listed = []  # the registry is down for a moment; the runner keeps trying
-            for e in listed:
-                proc = pending.get(_local_addr(e.addr, self.plan))
-                # The address recorded here is asked with the key later (ps, teardown): only
-                # an entry our runner signed may set it, not a copy another user planted.
-                signed = not self.plan.api_key or not apikeys.unproven(self.plan.api_key, e)
-                if e.marker == self.plan.marker and proc is not None and signed:
-                    del pending[proc.plan.addr]
+            for addr, e in self._ours(listed).items():
+                proc = pending.pop(addr, None)
+                if proc is not None:
                     proc.healthy = True
-                    rec = next(r for r in self.record.processes if r.pid == proc.popen.pid)
-                    rec.server_pid = e.pid
+                    rec = self._process_record(proc)
+                    rec.server_pid, rec.server_create_time = e.pid, e.pid_create_time
                     rec.addr = e.addr  # where others reach it (a wildcard bind advertises an IP)
                     records.write(self.home, self.record)
                     self.on_event("healthy", {"label": proc.label, "addr": e.addr})
@@ -279,6 +279,57 @@ class Supervisor:
                 self.changed.wait(min(delay, 0.05))
                 self.changed.clear()
                 delay *= 2
+
+    def _ours(self, listed: list) -> dict:
+        """The plan's server address → the registry entry our runner made for it. The pid and
+        address recorded from it are acted on later (ps, watchdog, teardown): only an entry our
+        runner signed counts, not a copy another user planted."""
+        key = self.plan.api_key
+        return {_local_addr(e.addr, self.plan): e for e in listed
+                if e.marker == self.plan.marker and (not key or not apikeys.unproven(key, e))}  # fmt: skip
+
+    def _process_record(self, proc: _Proc) -> records.ProcessRecord:
+        return next(r for r in self.record.processes if r.pid == proc.popen.pid)
+
+    def _follow_servers(self) -> None:
+        """The record follows a server its runner started again (launchers/replica.py): the
+        registry entry names the new pid, which `areal ps`, the watchdog's bundle and the
+        teardown then use. A server that died and has no successor serving yet is recorded as
+        none (its pid may be anyone's soon); one that only left discovery (it stopped
+        answering /health) keeps its pid. At most once per FOLLOW_SERVERS_EVERY."""
+        now = time.monotonic()
+        if not self.plan.servers or now - self._servers_seen < FOLLOW_SERVERS_EVERY:
+            return
+        self._servers_seen = now
+        try:
+            ours = self._ours(self.registry.list(self.plan.experiment, self.plan.trial).servers)
+        except (ArealError, OSError):
+            return  # the registry is down for a moment: the record keeps what it had
+        changed = False
+        for proc in self.procs:
+            if proc.plan.role != "server" or proc.lost or not proc.healthy:
+                continue
+            rec, e = self._process_record(proc), ours.get(proc.plan.addr)
+            now_serving = (e.pid, e.pid_create_time) if e is not None else None
+            if now_serving and now_serving != (rec.server_pid, rec.server_create_time):
+                rec.server_pid, rec.server_create_time = e.pid, e.pid_create_time
+                changed = True
+            elif (e is None and rec.server_pid
+                  and not procs.pid_alive(rec.server_pid, rec.server_create_time)):  # fmt: skip
+                rec.server_pid = rec.server_create_time = None
+                changed = True
+        if changed:
+            try:
+                records.write(self.home, self.record)
+            except ArealError:
+                pass  # a full disk: the next change, or the end, is written when it can be
+
+    def _live_servers(self) -> list[int]:
+        """The recorded servers that still run: the same processes (by their create time),
+        never a later owner of a pid, which the teardown would kill."""
+        return [r.server_pid for r in self.record.processes if r.role == "server" and r.server_pid
+                and r.server_create_time
+                and procs.pid_alive(r.server_pid, r.server_create_time)]  # fmt: skip
 
     def _record_rendezvous(self, proc: _Proc) -> None:
         """A standalone torchrun binds the port the OS gave it: record it in the job record,
@@ -332,6 +383,7 @@ class Supervisor:
                     )
                     if not trainers and all(p.lost for p in self.procs if p.plan.role == "server"):
                         raise self._failure(proc, code, "(no replica left)")
+            self._follow_servers()
             # Bounded: a signal the kernel hands to another thread (SIGINT right after a
             # SIGCONT) runs its Python handler only when this thread next wakes.
             self.changed.wait(0.5)
@@ -460,9 +512,10 @@ class Supervisor:
         return request_errors.refusals(self.plan.registry, trials, addrs or None)
 
     def _server_pids(self) -> list[int]:
-        """The servers the job uses: its own, and those of this host's serving jobs at the
-        addresses its trainers were given."""
-        pids = [r.server_pid for r in self.record.processes if r.role == "server" and r.server_pid]
+        """The servers the job uses that run now: its own, and those of this host's serving
+        jobs at the addresses its trainers were given (each supervisor's record follows its
+        servers' restarts)."""
+        pids = self._live_servers()
         addrs = {a for p in self.plan.trainers for a in
                  p.env.get("AREAL_LLM_SERVER_ADDRS", "").split(",") if a}  # fmt: skip
         if addrs:
@@ -470,7 +523,8 @@ class Supervisor:
             for rec in recs:
                 if rec.marker != self.plan.marker and rec.state == "running":
                     pids += [p.server_pid for p in rec.processes
-                             if p.role == "server" and p.addr in addrs and p.server_pid]  # fmt: skip
+                             if p.role == "server" and p.addr in addrs and p.server_pid
+                             and procs.pid_alive(p.server_pid, p.server_create_time)]  # fmt: skip
         return pids
 
     def _on_stall(self, stall) -> None:
@@ -520,7 +574,9 @@ class Supervisor:
         if self._watchdog is not None:
             self._watchdog.close()
         # Reaped processes' pids may already belong to someone else: only live ones are roots.
+        # The servers too: one whose runner was killed is in no runner's tree any more.
         live = [p.popen.pid for p in self.procs if p.popen.poll() is None]
+        live += self._live_servers() if self.record else []
         procs.kill_job(self.plan.marker, live, grace=5.0)
         self._resume_servers()
         for proc in self.procs:
