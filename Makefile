@@ -70,8 +70,9 @@ docs: install
 	$(BIN)/mkdocs build --strict --site-dir site
 
 # Every block of README.md and docs/*.md run as a reader would (tests/docs/, a page is a
-# walk in a sandbox of its own): 5-7 minutes on two cores, most of it servers and torchrun
-# starting, so a tier of its own beside `make test`, which runs the harness's own tests.
+# walk in a sandbox of its own): 2 minutes on a quiet two-core host, 5-7 under load, most of
+# it servers and torchrun starting; a tier of its own beside `make test`, which runs the
+# harness's own tests.
 test-docs: install
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n 3 --dist loadfile --reruns 1 -m docs tests/docs
 
