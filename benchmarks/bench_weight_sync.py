@@ -48,7 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 TRAINER = r"""
 import json, sys, time, torch
 from transformers import AutoModelForCausalLM
-from areal_cli.worker import weights
+from areal_cli.backends import sync_sglang
 from areal_cli.worker.rollout import RolloutClient
 from areal_cli.worker.weights import sync_weights
 model_dir, servers, rounds, out_dir = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3]), sys.argv[4]
@@ -66,14 +66,14 @@ async def timed(server, method, path, *args, **kw):
     finally:
         spans.append((path.strip("/"), t, time.perf_counter()))
 client._request = timed
-broadcast = weights._broadcast_bucket
+broadcast = sync_sglang.broadcast_bucket
 def timed_broadcast(*args):
     t = time.perf_counter()
     try:
         return broadcast(*args)
     finally:
         spans.append(("(broadcast)", t, time.perf_counter()))
-weights._broadcast_bucket = timed_broadcast
+sync_sglang.broadcast_bucket = timed_broadcast
 def once(method, k):
     with torch.no_grad():
         for p in model.parameters():

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import os
+import inspect
 import signal
 from pathlib import Path
 from typing import Any
 
 import typer
 
-from areal_cli import settings
+from areal_cli import console, schedulers, settings
 from areal_cli.errors import UsageError
+from areal_cli.schedulers.api import Stopped
+from areal_cli.spec import Asked
 
-# Defaults are applied after the config file is read (flag > config > default), so the
-# options themselves default to None.
+# No default of their own: `serve` and `train` name the job (jobspec.job_names), where
+# other commands take no name as "every job".
 ExperimentOpt = typer.Option(
     None, "--experiment", "-e", help=f"Experiment name (default: {settings.DEFAULT_EXPERIMENT})."
 )
@@ -63,10 +65,163 @@ GpusPerNodeOpt = typer.Option(
 SlurmArgOpt = typer.Option(
     None, "--slurm-arg", help="Passed to sbatch as is, e.g. --slurm-arg=--mem=64G. Repeatable."
 )
-SLURM_KEYS = {
-    "partition": "str", "account": "str", "time": "str", "gpus_per_node": "posint",
-    "slurm_arg": "list", "scheduler_opts": "mapping",
-}  # fmt: skip
+# A job YAML (--config) sets the options of `serve` and `train`: its keys are their long
+# flags, except these, which say how to run this invocation rather than what the job is.
+NOT_IN_YAML = frozenset(
+    {"config", "home", "registry", "detach", "dry_run", "json_out", "scheduler_opt"}
+)
+# Keys without a flag: `--scheduler-opt K=V` is a mapping in YAML, and serve's arguments for
+# the backend (after --) are a list.
+YAML_ONLY = {"scheduler_opts": "mapping", "extra_args": "list"}
+_CONFIG = "areal.job_yaml"  # ctx.meta: the job YAML as read
+
+
+def _read_config(ctx: typer.Context, value: Path | None) -> Path | None:
+    """--config FILE: read before any other option (eager), its values become the command's
+    defaults (click's default_map), so a flag beats the file and the file the default."""
+    if value is None:
+        return value
+    schema = config_keys(ctx.command)
+    params = {p.name: p for p in ctx.command.params if p.name in schema}
+    data = load_config(value, schema)
+    for key, v in data.items():
+        if key in params:
+            _check_value(ctx, value, key, v, params[key])
+    ctx.meta[_CONFIG] = data
+    ctx.default_map = {**(ctx.default_map or {}), **{k: v for k, v in data.items() if k in params}}
+    return value
+
+
+ConfigOpt = typer.Option(
+    None,
+    "--config",
+    "-c",
+    is_eager=True,
+    callback=_read_config,
+    help="Job YAML; keys are these flags.",
+)
+
+
+# The options of `serve` and `train` alike (job_command adds them): what the job is named,
+# where it runs, how this invocation reads and prints.
+_JOB_OPTIONS = (
+    ("experiment", str, ExperimentOpt),
+    ("trial", str, TrialOpt),
+    ("registry", str, RegistryOpt),
+    ("home", Path, HomeOpt),
+    ("config", Path, ConfigOpt),
+    ("scheduler", str, SchedulerOpt),
+    ("partition", str, PartitionOpt),
+    ("account", str, AccountOpt),
+    ("time", str, TimeOpt),
+    ("gpus_per_node", int, GpusPerNodeOpt),
+    ("slurm_arg", list[str], SlurmArgOpt),
+    ("scheduler_opt", list[str], SchedulerOptOpt),
+    ("json_out", bool, JsonOpt),
+)
+
+
+def config_keys(command) -> dict[str, str]:
+    """The keys a job YAML of `command` takes and the kind of each (see load_config), read
+    off the command's own options: one schema for the flags, the file and the defaults."""
+    keys = {
+        p.name: _kind(p)
+        for p in command.params
+        if p.param_type_name == "option" and p.name not in NOT_IN_YAML
+    }
+    keys["scheduler_opts"] = YAML_ONLY["scheduler_opts"]
+    # Extra arguments are a list key where they are the command's own (serve's, for the
+    # backend); after an argument (train's SCRIPT) they are that argument's.
+    extra = (command.context_settings or {}).get("allow_extra_args", command.allow_extra_args)
+    if extra and not any(p.param_type_name == "argument" for p in command.params):
+        keys["extra_args"] = YAML_ONLY["extra_args"]
+    return keys
+
+
+def config_keys_attr(command: str):
+    """A command module's __getattr__ that answers CONFIG_KEYS, config_keys of its command
+    as the CLI builds it (built on first use: the CLI imports the module first)."""
+
+    def __getattr__(name: str):
+        if name == "CONFIG_KEYS":
+            from areal_cli._app import _load
+
+            return config_keys(_load(command))
+        raise AttributeError(f"module of {command!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
+def _kind(param) -> str:
+    """A click option's kind as load_config checks it, by its type (typer's click types are
+    its own copy, so by their names)."""
+    if param.multiple:
+        return "list"
+    name = str(getattr(param.type, "name", ""))
+    low, high = getattr(param.type, "min", None), getattr(param.type, "max", None)
+    if name == "boolean" or param.is_flag:
+        return "bool"
+    if name.split()[0] in ("int", "integer"):
+        if (low, high) == (1, 65535):
+            return "port"
+        return "posint" if low == 1 else "int"
+    if name.startswith("float"):
+        if low is None:
+            return "float"
+        return "posfloat" if low > 0 else "nonneg"
+    return "str"
+
+
+def _check_value(ctx, path: Path, key: str, value, param) -> None:
+    """A value load_config took that the option's own type refuses (its range): the message
+    names the file and key, as one from load_config does."""
+    try:
+        param.type_cast_value(ctx, value)
+    except typer.BadParameter as e:
+        raise UsageError(
+            f"config file {path}: {key} is {_short_repr(value)}: {e.message}"
+        ) from None
+
+
+def job_command(func):
+    """`func` (serve or train) with the options every job command takes appended to its
+    signature, where typer reads a command's options: declared once, here. `func` takes
+    them as keyword arguments and reads every option through asked(ctx)."""
+    own = [
+        p
+        for p in inspect.signature(func, eval_str=True).parameters.values()
+        if p.kind is not p.VAR_KEYWORD
+    ]
+    shared = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=kind)
+        for name, kind, opt in _JOB_OPTIONS
+    ]
+    func.__signature__ = inspect.Signature(own + shared)
+    return func
+
+
+def asked(ctx: typer.Context) -> Asked:
+    """What the user asked of the command being run, flags and job YAML merged by click."""
+    flags = {n for n in ctx.params if ctx.get_parameter_source(n).name == "COMMANDLINE"}
+    return Asked(dict(ctx.params), frozenset(flags), ctx.meta.get(_CONFIG, {}))
+
+
+def launch(sched, spec, asked: Asked, notes=(), told=()) -> None:
+    """The last steps of `serve` and `train`: the scheduler's request (its plan, `notes`
+    first); --dry-run shows it, else the job runs detached or in the foreground, `told`
+    printed first (notes a run shows too)."""
+    request = sched.dryrun(spec, check_packages=not asked["dry_run"])
+    request.plan.notes[:0] = notes
+    if asked["dry_run"]:
+        show_plan(request, asked["json_out"])
+        return
+    for note in told:
+        console.err.print(f"[yellow]note[/] {note}")
+    if asked["detach"]:
+        run_detached(sched, request, asked["json_out"])
+    else:
+        run_foreground(sched, request, asked["json_out"])
+
 
 COLORS = [
     "cyan",
@@ -78,28 +233,6 @@ COLORS = [
     "bright_cyan",
     "bright_magenta",
 ]
-
-
-NAME_MAX = 100  # names become directory names and registry keys; 255 bytes is the file limit
-
-
-def check_name(kind: str, value: str) -> str:
-    """Experiment and trial names: ASCII letters, digits, '-', '_', '.', not starting with
-    '-' (it would read as an option) or '.' (hidden, and '..'), at most NAME_MAX long."""
-    import re
-
-    shown = value if len(value) <= 40 else value[:40] + "..."
-    if len(value) > NAME_MAX:
-        raise UsageError(
-            f"{kind} name {shown!r} is {len(value)} characters long",
-            hint=f"use at most {NAME_MAX}",
-        )
-    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", value or ""):
-        raise UsageError(
-            f"{kind} name {shown!r} is not usable",
-            hint="use ASCII letters, digits, '-', '_' and '.', starting with a letter, digit or '_'",
-        )
-    return value
 
 
 # A job YAML is a few hundred bytes; even libyaml takes about a second per megabyte.
@@ -241,33 +374,6 @@ def _short_repr(v: Any) -> str:
     return r.repr(v)
 
 
-def job_names(experiment, trial, config: dict) -> tuple[str, str]:
-    return (
-        check_name(
-            "experiment", pick(experiment, config, "experiment", settings.DEFAULT_EXPERIMENT)
-        ),
-        check_name("trial", pick(trial, config, "trial", settings.DEFAULT_TRIAL)),
-    )
-
-
-def seconds(flag: str, value) -> float:
-    """A duration from a flag or the config: finite and positive (`nan` and `inf` parse as
-    floats and slip through a range check)."""
-    import math
-
-    value = float(value)
-    if not math.isfinite(value) or value < 0:
-        raise UsageError(f"{flag} {value:g} is not a number of seconds >= 0")
-    return value
-
-
-def pick(flag_value, config: dict, key: str, default):
-    """Flags beat the config file, which beats the default."""
-    if flag_value is not None:
-        return flag_value
-    return config.get(key, default)
-
-
 class LinePrinter:
     """Prints process output with a stable coloured [label] prefix per process."""
 
@@ -290,15 +396,13 @@ def show_plan(request, json_out: bool) -> None:
 
     from rich.markup import escape
 
-    from areal_cli import console as _console
-
     if json_out:
-        _console.print_json(request.to_json())
+        console.print_json(request.to_json())
         return
-    console = _console.out
+    out = console.out
     plan = request.plan
 
-    console.print(
+    out.print(
         f"[bold]plan[/] {plan.experiment}/{plan.trial} ({plan.kind})\n"
         f"  logs      {plan.log_dir}\n  registry  {plan.registry}\n"
         f"  api key   {'set (not shown)' if plan.api_key else 'none'}"
@@ -310,129 +414,36 @@ def show_plan(request, json_out: bool) -> None:
         gpus_ = ",".join(map(str, p["gpus"])) or (f"none (CPU cores {cores})" if cores else "cpu")
         label = "torchrun" if p["role"] == "trainer" else f"{p['role']}-{p['index']}"
         where = data.get("placement", {}).get(label)  # where a cluster scheduler puts it
-        console.print(f"[bold cyan]{label}[/]{addr}  " + (where or f"GPUs {gpus_}"))
-        console.print(f"  argv  {escape(shlex.join(p['argv']))}")
+        out.print(f"[bold cyan]{label}[/]{addr}  " + (where or f"GPUs {gpus_}"))
+        out.print(f"  argv  {escape(shlex.join(p['argv']))}")
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(p["env"].items()))
-        console.print(f"  env   {escape(env)}")
-        console.print(f"  log   {p['log_path']}")
+        out.print(f"  env   {escape(env)}")
+        out.print(f"  log   {p['log_path']}")
     for note in plan.notes:
-        console.print(f"[yellow]note[/] {escape(note)}")
+        out.print(f"[yellow]note[/] {escape(note)}")
     script = getattr(plan, "script", None)
     if script:
-        console.print(f"[bold cyan]{request.scheduler} batch script[/]")
-        console.print(escape(script), highlight=False)
+        out.print(f"[bold cyan]{request.scheduler} batch script[/]")
+        out.print(escape(script), highlight=False)
 
 
-def scheduler_opts(
-    sched,
-    config: dict,
-    partition,
-    account,
-    time,
-    gpus_per_node,
-    slurm_arg,
-    scheduler_opt=None,
-):
-    """The options of `sched` (the one scheduler_for chose), from its flags, `--scheduler-opt
-    KEY=VALUE`, and the job YAML (`scheduler_opts:` or a flag's key), checked against what
-    the scheduler declares (Scheduler.runopts): one it does not take is a usage error naming
-    those it does."""
-    from areal_cli import schedulers
-    from areal_cli.spec import SchedulerOpts
-
-    chosen = sched.name
-    declared = {o.name: o for o in sched.runopts}
-    flags = {"partition": partition, "account": account, "time": time,
-             "gpus_per_node": gpus_per_node, "slurm_arg": slurm_arg or None}  # fmt: skip
-    given: dict[str, tuple[str, Any]] = {}
-    for key in flags:
-        if config.get(key) not in (None, []):
-            given[key] = (f"{key} in the job YAML", config[key])
-    for key, value in (config.get("scheduler_opts") or {}).items():
-        given[key] = (f"scheduler_opts.{key} in the job YAML", value)
-    for item in scheduler_opt or ():
-        key, sep, value = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or not key:
-            raise UsageError(
-                f"--scheduler-opt {item!r} is not KEY=VALUE",
-                hint="e.g. --scheduler-opt address=HEAD:6379",
-            )
-        if key in declared and declared[key].kind == "list":
-            before = given.get(key, ("", []))[1] if key in given else []
-            value = [*(before if isinstance(before, list) else [before]), value]
-        given[key] = (f"--scheduler-opt {key}", value)
-    for key, value in flags.items():
-        if value not in (None, []):
-            given[key] = (f"--{key.replace('_', '-')}", value)
-    values = {}
-    for key, (where, value) in given.items():
-        opt = declared.get(key)
-        if opt is None:
-            known = ", ".join(f"{o.name} ({o.help})" for o in declared.values()) or "none"
-            owners = [n for n in schedulers.names() if n != chosen and _declares(n, key)]
-            also = (
-                f"it is an option of {' and '.join(owners)}: add --scheduler {owners[0]} (or "
-                f"scheduler: {owners[0]} in the job YAML); "
-                if owners
-                else ""
-            )
-            raise UsageError(
-                f"{where}: not an option of the {chosen} scheduler",
-                hint=f"{also}the {chosen} scheduler takes: {known}",
-            )
-        values[key] = _runopt_value(opt, value, where)
-    return SchedulerOpts(tuple(sorted(values.items())))
-
-
-def _declares(name: str, key: str) -> bool:
-    from areal_cli import schedulers
-
-    try:
-        return any(o.name == key for o in schedulers.scheduler_class(name).runopts)
-    except UsageError:
-        return False
-
-
-def _runopt_value(opt, value, where: str):
-    if opt.kind == "list":
-        items = value if isinstance(value, (list, tuple)) else [value]
-        return tuple(str(x) for x in items)
-    if isinstance(value, (list, tuple, dict)):
-        raise UsageError(f"{where}: {opt.name} takes one value")
-    if opt.kind == "posint":
-        try:
-            n = int(str(value))
-        except ValueError:
-            n = 0
-        if n < 1 or isinstance(value, bool):
-            raise UsageError(f"{where}: {opt.name} is {value!r}, not an integer >= 1")
-        return n
-    return str(value)
-
-
-def scheduler_for(name: str | None, config: dict, home, registry):
+def scheduler_for(asked: Asked):
     """The scheduler a command runs on: --scheduler, the job YAML, AREAL_SCHEDULER, local."""
-    from areal_cli import schedulers
-
     return schedulers.get(
-        schedulers.pick(name, config), home=settings.home(home), registry=registry
+        schedulers.pick(asked["scheduler"]),
+        home=settings.home(asked["home"]),
+        registry=asked["registry"],
     )
 
 
 def _note_used(request) -> None:
     """So that `areal ps` asks this scheduler about this home (schedulers.USED)."""
-    from areal_cli import schedulers
-
     schedulers.note_used(settings.home(request.plan.home or None), request.scheduler)
 
 
 def run_foreground(sched, request, json_out: bool = False) -> None:
     """Run the job in this process's foreground: prefixed logs and events on stderr, Ctrl-C
     or SIGTERM tears it down. Exits with the job's code (130/143 when stopped)."""
-    from areal_cli import console
-    from areal_cli.schedulers.api import Stopped
-
     plan = request.plan
     err = console.err
     name = f"{plan.experiment}/{plan.trial}"
@@ -485,9 +496,6 @@ def run_foreground(sched, request, json_out: bool = False) -> None:
 
 def run_detached(sched, request, json_out: bool) -> None:
     """Start the job in the background and return once it is ready; print where it runs."""
-    from areal_cli import console
-    from areal_cli.schedulers.api import Stopped
-
     plan = request.plan
     n = len(plan.servers)
     what = f"{n} server(s)" if n else "the job"
@@ -537,9 +545,3 @@ def run_detached(sched, request, json_out: bool) -> None:
             f"  http://{s['addr']}  pid {s['pid']}  gpus {s['gpus'] or 'cpu'}{node}  log {s['log']}"
         )
     console.out.print(f"stop with: areal stop {handle.name}")
-
-
-def python_default() -> str:
-    import sys
-
-    return os.environ.get("AREAL_PYTHON") or sys.executable

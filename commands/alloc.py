@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from areal_cli import alloc, console
+from areal_cli.commands import Opt
+
 HELP = """Explain an allocation string: its components, parallel dims and GPU count.
 
 [bold]Grammar[/]: AReaL's. backend\\[name]:dims, joined by [bold]+[/] (separate GPUs) or [bold]|[/] (shared GPUs, names required). Inference backends sglang, vllm, hf take d (replicas), t, p; fsdp takes d, t, c (p and e only as 1); megatron and archon take d, t, p, c, e. World size = d·t·p·c.
@@ -16,6 +19,15 @@ A bad string is shown with a caret under the problem and a hint (exit 2).
 """
 
 
+# The option of `areal alloc S`, for its typer command and its plain form alike.
+OPTIONS = [Opt("json_out", "--json", kind=bool, default=False, help="Print the parse as JSON.")]
+
+
+def plain(text: str, json_out: bool) -> int:
+    show(text, json_out)
+    return 0
+
+
 def register(app) -> None:
     # typer is imported here only: `areal alloc S [--json]` runs `show` straight from
     # areal_cli.cli, without typer's 50 ms of start-up.
@@ -24,14 +36,12 @@ def register(app) -> None:
     @app.command("alloc", help=HELP)
     def _cmd(
         text: str = typer.Argument(..., metavar="STRING", help="The allocation string."),
-        json_out: bool = typer.Option(False, "--json", help="Print the parse as JSON."),
+        json_out: bool = OPTIONS[0].option(),
     ) -> None:
         show(text, json_out)
 
 
 def show(text: str, json_out: bool) -> None:
-    from areal_cli import alloc, console
-
     allocation = alloc.parse(text)
     if json_out:
         console.print_json(allocation.to_json())

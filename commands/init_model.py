@@ -6,6 +6,9 @@ from pathlib import Path
 
 import typer
 
+from areal_cli import console
+from areal_cli.modelgen import check_target_dir, create_tiny_model, model_summary
+
 
 def register(app: typer.Typer) -> None:
     @app.command("init-model")
@@ -32,9 +35,6 @@ def register(app: typer.Typer) -> None:
           areal init-model ./tiny-v2 --seed 1    # same shape, other weights
           areal serve --backend hf --model ./tiny
         """
-        from areal_cli import console
-        from areal_cli.modelgen import check_target_dir, create_tiny_model, model_summary
-
         check_target_dir(directory, force=force)
         path = create_tiny_model(directory, hidden_size=hidden_size, num_layers=layers, seed=seed)
         summary = model_summary(path)

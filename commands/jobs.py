@@ -6,10 +6,11 @@ from pathlib import Path
 
 import typer
 
-from areal_cli import console, settings
-from areal_cli.errors import UsageError
+from areal_cli import console, schedulers, settings
+from areal_cli.commands import listing
+from areal_cli.errors import UsageError, WaitTimeout
 from areal_cli.logfiles import ROLES  # the one table of log roles (`--role` help, the reader)
-from areal_cli.schedulers.api import parse_name
+from areal_cli.schedulers.api import LIVE, parse_name
 
 from ._common import COLORS, HomeOpt, JsonOpt, LinePrinter, RegistryOpt
 
@@ -30,13 +31,11 @@ Examples:
 
 
 def ps(
-    all_: bool = typer.Option(False, "--all", help="Include jobs that have ended."),
+    all_: bool = listing.OPTIONS[0].option(),
     home: Path = HomeOpt,
     registry: str = RegistryOpt,
-    json_out: bool = JsonOpt,
+    json_out: bool = listing.OPTIONS[1].option(),
 ) -> None:
-    from areal_cli.commands import listing
-
     listing.show(all_, home, json_out)
 
 
@@ -89,8 +88,6 @@ def _one_job(name: str, kind: str | None, home):
 
 
 def _jobs_of(name: str, kind: str | None, home):
-    from areal_cli import schedulers
-
     exp, trial = parse_name(name)
     return schedulers.known_jobs(exp, trial, kind, home=settings.home(home))
 
@@ -119,10 +116,6 @@ def stop(
     registry: str = RegistryOpt,
     json_out: bool = JsonOpt,
 ) -> None:
-    from areal_cli import schedulers
-    from areal_cli.errors import WaitTimeout
-    from areal_cli.schedulers.api import LIVE
-
     if all_ == bool(name):
         raise UsageError(
             "give a job name or --all", hint="areal stop default/trial0 (see areal ps)"

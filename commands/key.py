@@ -7,8 +7,10 @@ from pathlib import Path
 
 import typer
 
-from areal_cli import settings
+from areal_cli import apikeys, console, files, settings
+from areal_cli.commands import Opt
 from areal_cli.errors import UsageError
+from areal_cli.schedulers.api import parse_name
 
 from ._common import HomeOpt, RegistryOpt
 
@@ -27,30 +29,31 @@ Examples:
 """
 
 
+# Where the key may go, each a file (mode 600) or `-` for stdout.
+OUTPUTS = {
+    opt.key: opt
+    for opt in (
+        Opt("file", "--file",
+            help="Write the key to FILE (mode 600); `-`: stdout (the default)."),
+        Opt("env_file", "--env-file",
+            help="Write AREAL_API_KEY=... and OPENAI_API_KEY=... to FILE (mode 600)."),
+        Opt("header_file", "--header-file",
+            help="Write the line `Authorization: Bearer KEY` to FILE (mode 600), for "
+            "`curl -H @FILE`."),
+    )
+}  # fmt: skip
+
+
 def register(app: typer.Typer) -> None:
     @app.command("key", help=HELP)
     def key(
         name: str = typer.Argument(..., help="The servers' job, EXPERIMENT/TRIAL."),
-        file: Path = typer.Option(
-            None, "--file", help="Write the key to FILE (mode 600); `-`: stdout (the default)."
-        ),
-        env_file: Path = typer.Option(
-            None,
-            "--env-file",
-            help="Write AREAL_API_KEY=... and OPENAI_API_KEY=... to FILE (mode 600).",
-        ),
-        header_file: Path = typer.Option(
-            None,
-            "--header-file",
-            help="Write the line `Authorization: Bearer KEY` to FILE (mode 600), for "
-            "`curl -H @FILE`.",
-        ),
+        file: Path = OUTPUTS["file"].option(),
+        env_file: Path = OUTPUTS["env_file"].option(),
+        header_file: Path = OUTPUTS["header_file"].option(),
         home: Path = HomeOpt,
         registry: str = RegistryOpt,
     ) -> None:
-        from areal_cli import apikeys, console
-        from areal_cli.schedulers.api import parse_name
-
         experiment, trial = parse_name(name)
         outputs = _outputs(file=file, env_file=env_file, header_file=header_file)
         path = apikeys.key_file(settings.home(home), experiment, trial)
@@ -83,8 +86,6 @@ def _outputs(**given: Path | None) -> dict[str, Path | None]:
     """Each output asked for: its file, or None for `-` (stdout). Two outputs naming one
     place are refused (one would silently overwrite the other), and so is a place that is
     not a regular file (files.check_replaceable), before anything is written."""
-    from areal_cli import files
-
     out: dict[str, Path | None] = {}
     seen: dict[str, str] = {}
     for opt, value in given.items():
@@ -112,8 +113,6 @@ def _write_private(path: Path, text: str) -> None:
     """Readable by this user only from its first byte: made 600 in a temporary file beside
     it, then renamed over it. Only a regular file (or nothing) is replaced, never a symlink,
     a device, a FIFO or a folder (files.write_atomic)."""
-    from areal_cli import files
-
     try:
         files.write_atomic(path, text, mode=0o600)
     except files.UnsafePath:

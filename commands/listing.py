@@ -1,19 +1,30 @@
 """`areal ps` itself, without typer: `areal ps [--all] [--json]` runs it straight from
-areal_cli.cli (scripts poll it; typer alone costs about 50 ms of start-up), and the typer
-command calls it with the same arguments."""
+areal_cli.cli (scripts poll it; typer alone costs about 50 ms of start-up), read with the
+option table below, and the typer command (commands/jobs.py), built from the same table,
+calls it with the same arguments."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
-from areal_cli import console, settings
+from areal_cli import console, schedulers, settings
+from areal_cli.commands import Opt
+from areal_cli.errors import WaitTimeout
+
+# The options of `areal ps` that its plain form takes (--home and --registry: typer's only).
+OPTIONS = [
+    Opt("all_", "--all", kind=bool, default=False, help="Include jobs that have ended."),
+    Opt("json_out", "--json", kind=bool, default=False, help="Machine-readable output on stdout."),
+]
+
+
+def plain(all_: bool, json_out: bool) -> int:
+    show(all_, None, json_out)
+    return 0
 
 
 def show(all_: bool, home: Path | None, json_out: bool) -> None:
-    from areal_cli import schedulers
-    from areal_cli.errors import WaitTimeout
-
     jobs_, unanswered = [], []
     for sched in schedulers.used(settings.home(home)):
         try:

@@ -1,7 +1,10 @@
 """The typer app behind `areal`: commands load on demand, help drawn by console.render_help.
 
 Split from areal_cli.cli so that a call which needs no parser (`areal doctor hang` with plain
-flags, see commands/doctor_hang.py) starts without importing typer.
+flags, see commands/doctor_hang.py) starts without importing typer. A group's commands come
+from a table (areal_cli.commands.COMMANDS, a group module's own COMMANDS): each module is
+imported when one of its commands runs or shows its help, and a group's help lists the
+table's one-liners without importing any.
 """
 
 from __future__ import annotations
@@ -16,21 +19,17 @@ from functools import partial
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from areal_cli import __version__
-from areal_cli.cli import COMMANDS, HELP, first_line
+from areal_cli import __version__, console
+from areal_cli.commands import COMMANDS, HELP
 
 
 class _Help:
     """Help drawn by console.render_help: paragraphs re-wrap, `\\b` blocks stay as written."""
 
     def format_help(self, ctx, formatter) -> None:
-        from areal_cli import console
-
         formatter.write(console.render_help(ctx, self.help_commands(ctx)) + "\n")
 
     def collect_usage_pieces(self, ctx) -> list[str]:
-        from areal_cli import console
-
         return console.usage_pieces(ctx)
 
     def help_commands(self, ctx) -> list[tuple[str, str]]:
@@ -61,43 +60,46 @@ class _LazyCommands(Mapping):
 
 
 class ArealGroup(_Help, TyperGroup):
+    """A group whose commands are built on first lookup from `table` (name: (module in
+    areal_cli.commands, the one line its help shows)); `--help` builds none."""
+
+    table: dict[str, tuple[str, str]] = {}
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.commands = _LazyCommands(
+            {name: partial(_load, name, self.table) for name in self.table}
+        )
+
     def list_commands(self, ctx) -> list[str]:
         return list(self.commands)  # typer's goes through items(), building every command
 
     def help_commands(self, ctx) -> list[tuple[str, str]]:
-        return [(n, first_line(self.get_command(ctx, n).help)) for n in self.list_commands(ctx)]
+        return [(name, line) for name, (_, line) in self.table.items()]
 
 
 class RootGroup(ArealGroup):
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.commands = _LazyCommands({name: partial(_load, name) for name in COMMANDS})
-
-    def help_commands(self, ctx) -> list[tuple[str, str]]:
-        return [(name, line) for name, (_, line) in COMMANDS.items()]
+    table = COMMANDS
 
 
-def _load(name: str):
+def _load(name: str, table: dict[str, tuple[str, str]] = COMMANDS):
     """The click command for `name`, built from its module's typer definitions."""
-    module = importlib.import_module(f"areal_cli.commands.{COMMANDS[name][0]}")
-    if hasattr(module, "app"):  # a group of sub-commands (doctor)
-        return _group(name, module.app)
+    module = importlib.import_module(f"areal_cli.commands.{table[name][0]}")
+    if hasattr(module, "COMMANDS"):  # a group of sub-commands (doctor), each loaded on demand
+        return _group(name, module)
     sub = typer.Typer()
     module.register(sub)
     # A module may register several commands (ps, logs, stop): build the one asked for.
     return _command(next(info for info in sub.registered_commands if info.name == name))
 
 
-def _group(name: str, app: typer.Typer):
-    """`app` as a group whose sub-commands are built on demand (typer builds them all)."""
+def _group(name: str, module):
+    """The group `module.app` describes, its commands those of `module.COMMANDS`."""
     shell = typer.Typer(rich_markup_mode=None)
-    shell.info, shell.registered_callback = app.info, app.registered_callback
-    shell.info.cls = ArealGroup
+    shell.info, shell.registered_callback = module.app.info, module.app.registered_callback
+    shell.info.cls = type(f"{name.title()}Group", (ArealGroup,), {"table": module.COMMANDS})
     group = typer.main.get_group(shell)
     group.name = name
-    group.commands = _LazyCommands(
-        {info.name: partial(_command, info) for info in app.registered_commands}
-    )
     return group
 
 

@@ -36,12 +36,12 @@ offending character, a caret diagram and one hint; nothing else escapes `parse`.
 
 from __future__ import annotations
 
-import difflib
 import re
 import unicodedata
-from dataclasses import dataclass
 
+from areal_cli import plugins
 from areal_cli.errors import UsageError
+from areal_cli.plain import Frozen, Plain
 
 TRAIN_BACKENDS = ("fsdp", "megatron", "archon")
 
@@ -49,8 +49,6 @@ TRAIN_BACKENDS = ("fsdp", "megatron", "archon")
 def inference_backends() -> tuple[str, ...]:
     """The inference engines an allocation may name: those installed (the entry points of
     areal_cli.engines; asked of plugins, not backends, which imports the allocation's spec)."""
-    from areal_cli import plugins
-
     return tuple(plugins.names(plugins.ENGINES))
 
 
@@ -114,32 +112,33 @@ def _cell_width(ch: str) -> int:
     return 2 if unicodedata.east_asian_width(ch) in "WF" else 1
 
 
-@dataclass(frozen=True)
-class FfnDims:
+class FfnDims(Frozen):
     """Expert (ffn) layout of the MoE form; its world size d·t·p·e equals the attention one."""
 
-    d: int
-    t: int
-    p: int
-    e: int
+    __slots__ = ("d", "t", "p", "e")
 
-    def to_json(self) -> dict:
-        return {"d": self.d, "t": self.t, "p": self.p, "e": self.e}
+    def __init__(self, d: int, t: int, p: int, e: int):
+        self._freeze(d, t, p, e)
 
 
-@dataclass(frozen=True)
-class Component:
+class Component(Frozen):
     """One single of the string: a backend with its parallel dims (attention dims for MoE)."""
 
-    name: str | None
-    backend: str
-    d: int
-    t: int
-    p: int
-    c: int
-    e: int
-    colocate_with: str | None
-    ffn: FfnDims | None = None
+    __slots__ = ("name", "backend", "d", "t", "p", "c", "e", "colocate_with", "ffn")
+
+    def __init__(
+        self,
+        name: str | None,
+        backend: str,
+        d: int,
+        t: int,
+        p: int,
+        c: int,
+        e: int,
+        colocate_with: str | None,
+        ffn: FfnDims | None = None,
+    ):
+        self._freeze(name, backend, d, t, p, c, e, colocate_with, ffn)
 
     @property
     def role(self) -> str:
@@ -175,10 +174,11 @@ class Component:
         return data
 
 
-@dataclass(frozen=True)
-class Allocation:
-    text: str
-    components: tuple[Component, ...]
+class Allocation(Frozen):
+    __slots__ = ("text", "components")
+
+    def __init__(self, text: str, components: tuple[Component, ...]):
+        self._freeze(text, components)
 
     @property
     def world_size(self) -> int:
@@ -219,14 +219,20 @@ def parse(text: str) -> Allocation:
 # --------------------------------------------------------------------------- parser
 
 
-@dataclass
-class _Single:
-    start: int
-    backend: str
-    name: str | None
-    name_pos: int
-    dims: dict[str, int]
-    ffn: FfnDims | None = None
+class _Single(Plain):
+    __slots__ = ("start", "backend", "name", "name_pos", "dims", "ffn")
+
+    def __init__(
+        self,
+        start: int,
+        backend: str,
+        name: str | None,
+        name_pos: int,
+        dims: dict[str, int],
+        ffn: FfnDims | None = None,
+    ):
+        self.start, self.backend, self.name, self.name_pos = start, backend, name, name_pos
+        self.dims, self.ffn = dims, ffn
 
     @property
     def world(self) -> int:
@@ -293,8 +299,38 @@ class _Parser:
         return self.validate(groups)
 
     def single(self) -> _Single:
-        ch = self.skip_ws()
+        """backend, an optional [name], ':' and the dims (or the attn|ffn form)."""
+        self.skip_ws()
         start = self.pos
+        backend = self._backend()
+        self.pos = start + len(backend)
+        name, name_pos, bracket = self._name(backend)
+        ch = self.skip_ws()
+        if ch == ".":
+            self._fail_legacy(self.pos)
+        if ch != ":":
+            label = f"{backend}[{name}]" if name else backend
+            self.fail(f"expected ':' after {label!r}", self.pos, f"write e.g. {label}:d4")
+        self.pos += 1
+
+        ch = self.skip_ws()
+        if ch == "(" or self.word_at(self.pos) == "attn":
+            if name is not None and backend in ("megatron", "archon"):
+                # AReaL's grammar has no named MoE form; its trainer would refuse this string.
+                self.fail(
+                    "the attn|ffn form takes no [name]",
+                    bracket,
+                    f"write {backend}:(attn:…|ffn:…), or name a plain one: "
+                    f"{backend}[{name}]:d2t2e2",
+                )
+            return self.moe(start, backend, name, name_pos)
+        return self._plain(start, backend, name, name_pos)
+
+    def _backend(self) -> str:
+        """The backend word at the start of a component; what stands there instead (an
+        operator, a name, bare dims, a typo) is named with its hint."""
+        start = self.pos
+        ch = self.text[start] if start < len(self.text) else ""
         if ch in ("", "+", "|", ")"):
             where = "at the end" if not ch else f"before {ch!r}"
             self.fail(
@@ -332,13 +368,17 @@ class _Parser:
             )
         known_names = all_backends()
         if word not in known_names:
+            import difflib  # here: a typo's hint only (difflib and heapq, 1 ms of `areal alloc`)
+
             close = difflib.get_close_matches(word.lower(), known_names, n=1, cutoff=0.6)
             known = "backends: " + ", ".join(known_names)
             hint = f"did you mean {close[0]}? {known}" if close else known
             self.fail(f"unknown backend {word!r}", start, hint)
-        backend = word
-        self.pos = start + len(word)
+        return word
 
+    def _name(self, backend: str) -> tuple[str | None, int, int]:
+        """An optional `[name]` after the backend: the name (None), where it starts, and
+        where its '[' stands."""
         name, name_pos = None, self.pos
         ch = self.skip_ws()
         bracket = self.pos
@@ -355,26 +395,10 @@ class _Parser:
                 )
             self.pos += len(name)
             self.name_end(backend, name)
+        return name, name_pos, bracket
 
-        ch = self.skip_ws()
-        if ch == ".":
-            self._fail_legacy(self.pos)
-        if ch != ":":
-            label = f"{backend}[{name}]" if name else backend
-            self.fail(f"expected ':' after {label!r}", self.pos, f"write e.g. {label}:d4")
-        self.pos += 1
-
-        ch = self.skip_ws()
-        if ch == "(" or self.word_at(self.pos) == "attn":
-            if name is not None and backend in ("megatron", "archon"):
-                # AReaL's grammar has no named MoE form; its trainer would refuse this string.
-                self.fail(
-                    "the attn|ffn form takes no [name]",
-                    bracket,
-                    f"write {backend}:(attn:…|ffn:…), or name a plain one: "
-                    f"{backend}[{name}]:d2t2e2",
-                )
-            return self.moe(start, backend, name, name_pos)
+    def _plain(self, start: int, backend: str, name: str | None, name_pos: int) -> _Single:
+        """The dims of a component that is not the attn|ffn form, checked for its backend."""
         allowed = _INFERENCE_DIMS if backend in inference_backends() else DIMS
         dims = self.dims(backend, allowed)
         if backend == "fsdp":

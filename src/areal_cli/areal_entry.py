@@ -20,6 +20,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from areal_cli import backends
 from areal_cli.errors import UsageError
 
 # AReaL ≥ 1.0 is its own single controller unless this is set (areal/utils/environ.py
@@ -175,8 +176,6 @@ def overrides(
 def _areal_engine(backend: str):
     """The engine AReaL's trainer takes a server of `backend` for (the fallback engine when
     none is named): an engine that speaks another's protocol is that one."""
-    from areal_cli import backends
-
     return backends.resolve(backends.resolve(backend).areal_engine)
 
 
@@ -199,8 +198,6 @@ def check_pairing(target: Target, backend: str, served: dict[str, str | None]) -
     inside a begin/end session that AReaL (pinned to 0.5.10.post1, which has none) never
     opens, so the sync fails inside AReaL's trainer. `served`: addr → engine version (None:
     not known)."""
-    from areal_cli import backends
-
     engine = backends.find(backend)
     strict = engine is not None and engine.update_session_required
     if not strict or target.weight_update_mode != "xccl" or not target.sglang_pin:

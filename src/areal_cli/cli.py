@@ -2,10 +2,11 @@
 
 Start-up is paid on every call, so only typer is imported, and only when a parser is needed
 (the app lives in areal_cli._app). A command's module is imported when that command runs or
-shows its help; `areal --help` lists the commands from the table below without importing any
-of them. Help is drawn by `console.render_help` (typer's own renderer imports rich.markdown
-and pygments). `areal doctor hang` with plain flags skips typer altogether: it is run
-beside a hung job, often many times, and typer's import was a third of its start-up.
+shows its help; `areal --help` lists the commands from the table in areal_cli.commands
+without importing any of them. Help is drawn by `console.render_help` (typer's own renderer imports rich.markdown
+and pygments). `areal doctor hang` with plain flags skips typer altogether (as `ps` and
+`alloc` do): it is run beside a hung job, often many times, and typer's import was a third
+of its start-up. Both parsers read one option table per command (commands.Opt).
 """
 
 from __future__ import annotations
@@ -15,41 +16,9 @@ import os
 import sys
 import warnings
 
+from areal_cli import __version__
+from areal_cli.commands import COMMANDS, HELP, first_line, parse  # noqa: F401 (read here)
 from areal_cli.errors import EXIT_INTERRUPTED, ArealError, ArealWarning
-
-# name: (module in areal_cli.commands, the one line `areal --help` shows). A test checks
-# each line against the first line of the command's own help.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("serve", "Start SGLang, vLLM or hf inference servers, wait until healthy, register them."),
-    "train": ("train", "Run training workers with torchrun against inference servers."),
-    "ps": ("jobs", "List jobs: state, processes, servers and whether each answers /health."),
-    "logs": ("jobs", "Show a job's logs, merged with a \\[server-N] / \\[rank-N] prefix."),
-    "stop": ("jobs", "Stop a trial's jobs, every process they started and their registry entries."),
-    "key": ("key", "Print the API key of servers you started as E/T, for a client of your own."),
-    "alloc": ("alloc", "Explain an allocation string: its components, parallel dims and GPU count."),
-    "init-model": ("init_model", "Write a tiny Qwen2-style causal LM (random weights, byte-level tokenizer) to DIR."),
-    "doctor": ("doctor", "Diagnose distributed training: hangs, debug env presets, all_reduce, host health, mesh."),
-}  # fmt: skip
-
-HELP = """Launch and diagnose RL post-training jobs for LLMs.
-
-\b
-Examples:
-  areal serve --backend hf --model ./tiny --detach
-  areal train --alloc fsdp:d2 train.py --config tiny_cpu.yaml
-  areal ps
-  areal logs E/T -f
-  areal stop E/T
-  areal doctor hang --job E/T
-"""
-
-
-def first_line(text: str | None) -> str:
-    """A help text's first paragraph, on one line."""
-    import inspect
-
-    para = inspect.cleandoc(text or "").split("\n\n")[0]
-    return " ".join(para.split())
 
 
 def __getattr__(name: str):
@@ -66,42 +35,35 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'areal_cli.cli' has no attribute {name!r}") from None
 
 
+# The plain forms: command words -> (module in areal_cli.commands, its positional arguments).
+# The module's OPTIONS are the table its typer command is built from; its `plain(**opts)`
+# runs the command and returns the exit code.
+FAST: dict[tuple[str, ...], tuple[str, tuple[str, ...]]] = {
+    ("ps",): ("listing", ()),
+    ("alloc",): ("alloc", ("text",)),
+    ("doctor", "hang"): ("doctor_hang", ()),
+}
+
+
 def _fast(args: list[str]) -> int | None:
     """The exit code of a command run without typer, or None when typer must parse `args`.
 
     typer (with click) costs about 50 ms of start-up, twice a bare interpreter's: the
     commands scripts call in loops take their plain forms here (`--version`, `ps [--all]
-    [--json]`, `alloc S [--json]`, `doctor hang` with plain flags). Anything else, --help or
-    a flag these forms do not take included, goes to typer, which parses and judges it."""
+    [--json]`, `alloc S [--json]`, `doctor hang` with plain flags), read with the option
+    table the typer command is built from. Anything else, --help or a flag these forms do
+    not take included, goes to typer, which parses and judges it."""
     if args == ["--version"]:
-        from areal_cli import __version__
-
         print(f"areal {__version__}")
         return 0
-    if args[:1] == ["ps"] and _only_flags(args[1:], ("--all", "--json")):
-        from areal_cli.commands import listing
+    for words, (name, positional) in FAST.items():
+        if tuple(args[: len(words)]) == words:
+            import importlib
 
-        listing.show("--all" in args, None, "--json" in args)
-        return 0
-    if args[:1] == ["alloc"] and 2 <= len(args) <= 3:
-        text = [a for a in args[1:] if a != "--json"]
-        if len(text) == 1 and not text[0].startswith("-") and len(args) - 2 == ("--json" in args):
-            from areal_cli.commands import alloc
-
-            alloc.show(text[0], "--json" in args)
-            return 0
-    if args[:2] == ["doctor", "hang"]:
-        from areal_cli.commands import doctor_hang
-
-        opts = doctor_hang.parse_plain(args[2:])
-        if opts is not None:
-            return doctor_hang.run(**opts)
+            module = importlib.import_module(f"areal_cli.commands.{name}")
+            opts = parse(module.OPTIONS, args[len(words) :], positional)
+            return None if opts is None else module.plain(**opts)
     return None
-
-
-def _only_flags(args: list[str], allowed: tuple[str, ...]) -> bool:
-    """Each of `args` is one of `allowed`, none twice."""
-    return set(args) <= set(allowed) and len(set(args)) == len(args)
 
 
 def main(argv: list[str] | None = None) -> None:

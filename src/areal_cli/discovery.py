@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from areal_cli import apikeys
+from areal_cli import apikeys, control
 from areal_cli.backends import FALLBACK
 from areal_cli.errors import UsageError, WaitTimeout
 from areal_cli.health import PROBE_TIMEOUT, probe_health
@@ -99,8 +99,6 @@ def _identified(addrs: list[str], api_key: str | None) -> str | None:
     """The one engine every address says it is (None: none could tell); servers of
     different engines in one list are a usage error, as the workers speak one protocol."""
     from concurrent.futures import ThreadPoolExecutor
-
-    from areal_cli import control
 
     with ThreadPoolExecutor(max_workers=min(MAX_PROBES, len(addrs))) as ex:
         said = dict(zip(addrs, ex.map(lambda a: control.identify(a, api_key), addrs), strict=True))
@@ -185,8 +183,6 @@ def _unpause(
     """(servers to use, those of them resumed, paused ones left out with the reason). Every
     question is bounded by the caller's deadline (with a short minimum)."""
     from concurrent.futures import ThreadPoolExecutor
-
-    from areal_cli import control
 
     def budget() -> float:
         return max(0.2, min(2.0, deadline - time.monotonic()))

@@ -75,7 +75,8 @@ def describe_filesystem(path: str | Path) -> str:
         pass
     try:
         st = os.statvfs(p)
-        size = f" ({_size(st.f_blocks * st.f_frsize)}, {_size(st.f_bavail * st.f_frsize)} free)"
+        total, free = human_size(st.f_blocks * st.f_frsize), human_size(st.f_bavail * st.f_frsize)
+        size = f" ({total}, {free} free)"
     except OSError:
         size = ""
     return f"{kind} at {mount}{size}"
@@ -382,7 +383,8 @@ def _make_reserve(spare: Path) -> None:
     os.close(fd)
 
 
-def _size(n: int) -> str:
+def human_size(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -7,14 +7,19 @@ The allocation is parsed once, here, and travels in the spec as the parsed objec
 
 from __future__ import annotations
 
+import math
 import os
+import re
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from areal_cli import backends, discovery, gpus, models, schedulers, settings
 from areal_cli.alloc import Allocation, parse
+from areal_cli.diagnose import watchdog
 from areal_cli.errors import UsageError
-from areal_cli.spec import ServerRole, TrainerRole
+from areal_cli.spec import Asked, JobSpec, SchedulerOpts, ServerRole, TrainerRole
 
 # --------------------------------------------------------------------------- train
 
@@ -59,11 +64,11 @@ def debug_env(preset: str | None, prepare: bool) -> dict[str, str]:
     and the flight recorder write there, never mkdir)."""
     if not preset:
         return {}
-    from areal_cli.diagnose.presets import prepare_paths, preset_env
+    from areal_cli.diagnose import presets  # only for a preset
 
-    env = dict(preset_env(preset))
+    env = dict(presets.preset_env(preset))
     if prepare:
-        prepare_paths(env)
+        presets.prepare_paths(env)
     return env
 
 
@@ -78,8 +83,6 @@ def colaunched_servers(allocation: Allocation, model: str | None, python: str) -
         raise UsageError(
             f"--alloc {allocation.text} starts {comp.backend} servers: --model is required"
         )
-    from areal_cli import models
-
     ref = models.parse(str(model))
     return ServerRole(
         backend=comp.backend, model_path=ref.name, revision=ref.revision,
@@ -90,8 +93,6 @@ def colaunched_servers(allocation: Allocation, model: str | None, python: str) -
 def servers_given(servers: str, api_key: str | None):
     """--servers none | host:port,...: the servers found without the registry (None for
     auto, which asks the registry)."""
-    from areal_cli import discovery
-
     if servers == "none":
         return discovery.Found([], "", None, [])
     if servers == "auto":
@@ -111,8 +112,6 @@ def servers_from_registry(
 ):
     """The healthy servers E/T registered, waiting up to `wait` seconds for `need` of them.
     A dry run shows the plan even where none answer."""
-    from areal_cli import backends, discovery
-
     try:
         return discovery.from_registry(registry, home, experiment, trial, need, wait, progress)
     except Exception:
@@ -136,7 +135,7 @@ def checked_keys(found, areal: bool, given: str | None):
     a missing or wrong key is one message here instead of an HTTP 401 in every rank (/health,
     which discovery asks, is open on every engine). A key given with --api-key or
     AREAL_API_KEY serves found servers that want one discovery did not hand out."""
-    from areal_cli import control
+    from areal_cli import control  # http.client and ssl: not paid by a job that fails earlier
 
     if areal:  # areal/infra/remote_inf_engine.py: no request carries an Authorization header
         refused = control.keys_refused(found.addrs, found.backend, None)
@@ -179,7 +178,7 @@ def areal_trainer(trainer: TrainerRole, servers: ServerRole | None, found, dry_r
     trainer left under the trial `name` in `registry` goes, as AReaL's own launcher clears
     it: a stale `update_weights_from_disk/<n>` would send the servers to load weights not
     yet written."""
-    from areal_cli import areal_entry, backends
+    from areal_cli import areal_entry  # only for --areal-overrides
 
     try:
         target = areal_entry.probe(trainer.python, list(trainer.script_args))
@@ -207,13 +206,9 @@ def explicit_key(flag: str | None) -> str | None:
 def watchdog_limit(value) -> tuple[float, bool]:
     """--watchdog (or the YAML key): auto (the default) | SECONDS | 0 (off), as (seconds,
     auto): auto's seconds are its limit before steps are timed and its ceiling."""
-    import math
-
-    from areal_cli.diagnose.watchdog import AUTO, DEFAULT_SECONDS
-
     text = str(value).strip()
-    if text.lower() == AUTO:
-        return DEFAULT_SECONDS, True
+    if text.lower() == watchdog.AUTO:
+        return watchdog.DEFAULT_SECONDS, True
     try:
         seconds = float(text)
     except ValueError:
@@ -227,22 +222,21 @@ def watchdog_limit(value) -> tuple[float, bool]:
 
 
 def watchdog_action(action: str) -> str:
-    from areal_cli.diagnose.watchdog import ACTIONS
-
-    if action not in ACTIONS:
+    if action not in watchdog.ACTIONS:
         raise UsageError(
-            f"--watchdog-action {action!r} is not one of {', '.join(ACTIONS)}",
+            f"--watchdog-action {action!r} is not one of {', '.join(watchdog.ACTIONS)}",
             hint="observe keeps the job running; fail stops it on a stall (exit 1)",
         )
     return action
 
 
 def restart_on(value: str) -> str:
-    from areal_cli.diagnose.restart import RESTART_ON
+    # The doctor's root-cause rules come with it: not paid by a job that fails earlier.
+    from areal_cli.diagnose import restart
 
-    if value not in RESTART_ON:
+    if value not in restart.RESTART_ON:
         raise UsageError(
-            f"--restart-on {value!r} is not one of {', '.join(RESTART_ON)}",
+            f"--restart-on {value!r} is not one of {', '.join(restart.RESTART_ON)}",
             hint="infra restarts on faults of the infrastructure only (the doctor's root "
             "cause decides); any restarts on every failure",
         )
@@ -344,11 +338,237 @@ def _one_inference(text: str):
 def default_backend(gpus_flag: str | None) -> str:
     """The engine that says it is the default where there are GPUs (SGLang), or on a host
     without them (hf)."""
-    from areal_cli import backends, gpus
-
     return backends.default_for(bool(gpus.detect(gpus_flag and str(gpus_flag)).gpus))
 
 
 def serve_alloc_text(role: ServerRole) -> str:
     """The allocation a --dp/--tp request stands for."""
     return f"{role.backend}:d{role.replicas}t{role.tp}" + (f"p{role.pp}" if role.pp > 1 else "")
+
+
+# --------------------------------------------------------------------------- the request
+
+NAME_MAX = 100  # names become directory names and registry keys; 255 bytes is the file limit
+
+# Scheduler run options that keep a flag of their own (RunOpt.flag: Slurm's); the others
+# are set with --scheduler-opt KEY=VALUE or the job YAML's `scheduler_opts:`.
+RUNOPT_FLAGS = ("partition", "account", "time", "gpus_per_node", "slurm_arg")
+
+
+def check_name(kind: str, value: str) -> str:
+    """Experiment and trial names: ASCII letters, digits, '-', '_', '.', not starting with
+    '-' (it would read as an option) or '.' (hidden, and '..'), at most NAME_MAX long."""
+    shown = value if len(value) <= 40 else value[:40] + "..."
+    if len(value) > NAME_MAX:
+        raise UsageError(
+            f"{kind} name {shown!r} is {len(value)} characters long",
+            hint=f"use at most {NAME_MAX}",
+        )
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", value or ""):
+        raise UsageError(
+            f"{kind} name {shown!r} is not usable",
+            hint="use ASCII letters, digits, '-', '_' and '.', starting with a letter, digit or '_'",
+        )
+    return value
+
+
+def job_names(asked: Asked) -> tuple[str, str]:
+    """--experiment and --trial, checked; their defaults are the settings' (an empty name
+    given is refused, not replaced)."""
+    experiment, trial = asked["experiment"], asked["trial"]
+    return (
+        check_name("experiment", settings.DEFAULT_EXPERIMENT if experiment is None else experiment),
+        check_name("trial", settings.DEFAULT_TRIAL if trial is None else trial),
+    )
+
+
+def seconds(flag: str, value) -> float:
+    """A duration from a flag or the config: finite and positive (`nan` and `inf` parse as
+    floats and slip through a range check)."""
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise UsageError(f"{flag} {value:g} is not a number of seconds >= 0")
+    return value
+
+
+def python_default() -> str:
+    return os.environ.get("AREAL_PYTHON") or sys.executable
+
+
+def scheduler_opts(sched, asked: Asked) -> SchedulerOpts:
+    """The options of `sched`, from its flags, `--scheduler-opt KEY=VALUE`, and the job YAML
+    (`scheduler_opts:` or a flag's key), checked against what the scheduler declares
+    (Scheduler.runopts): one it does not take is a usage error naming those it does."""
+    declared = {o.name: o for o in sched.runopts}
+    yaml = asked.job_yaml
+    given: dict[str, tuple[str, object]] = {}
+    for key in RUNOPT_FLAGS:
+        if yaml.get(key) not in (None, []):
+            given[key] = (f"{key} in the job YAML", yaml[key])
+    for key, value in (yaml.get("scheduler_opts") or {}).items():
+        given[key] = (f"scheduler_opts.{key} in the job YAML", value)
+    for item in asked["scheduler_opt"] or ():
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise UsageError(
+                f"--scheduler-opt {item!r} is not KEY=VALUE",
+                hint="e.g. --scheduler-opt address=HEAD:6379",
+            )
+        if key in declared and declared[key].kind == "list":
+            before = given.get(key, ("", []))[1] if key in given else []
+            value = [*(before if isinstance(before, list) else [before]), value]
+        given[key] = (f"--scheduler-opt {key}", value)
+    for key, value in asked.given(RUNOPT_FLAGS).items():
+        if value not in (None, [], ()):
+            given[key] = (f"--{key.replace('_', '-')}", value)
+    values = {}
+    for key, (where, value) in given.items():
+        if key not in declared:
+            raise _not_an_option(sched, key, where)
+        values[key] = _runopt_value(declared[key], value, where)
+    return SchedulerOpts(tuple(sorted(values.items())))
+
+
+def _not_an_option(sched, key: str, where: str) -> UsageError:
+    chosen = sched.name
+    known = ", ".join(f"{o.name} ({o.help})" for o in sched.runopts) or "none"
+    owners = [n for n in schedulers.names() if n != chosen and _declares(n, key)]
+    also = (
+        f"it is an option of {' and '.join(owners)}: add --scheduler {owners[0]} (or "
+        f"scheduler: {owners[0]} in the job YAML); "
+        if owners
+        else ""
+    )
+    return UsageError(
+        f"{where}: not an option of the {chosen} scheduler",
+        hint=f"{also}the {chosen} scheduler takes: {known}",
+    )
+
+
+def _declares(name: str, key: str) -> bool:
+    try:
+        return any(o.name == key for o in schedulers.scheduler_class(name).runopts)
+    except UsageError:
+        return False
+
+
+def _runopt_value(opt, value, where: str):
+    if opt.kind == "list":
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return tuple(str(x) for x in items)
+    if isinstance(value, (list, tuple, dict)):
+        raise UsageError(f"{where}: {opt.name} takes one value")
+    if opt.kind == "posint":
+        try:
+            n = int(str(value))
+        except ValueError:
+            n = 0
+        if n < 1 or isinstance(value, bool):
+            raise UsageError(f"{where}: {opt.name} is {value!r}, not an integer >= 1")
+        return n
+    return str(value)
+
+
+# find(servers, api_key, experiment, trial, need, wait) -> discovery.Found: the servers a
+# training-only job uses (the command shows the wait and what was found).
+FindServers = Callable[[str, str, str, str, int, float], "discovery.Found"]
+
+
+def train_spec(asked: Asked, script: str, script_args: list[str], sched,
+               find: FindServers) -> JobSpec:  # fmt: skip
+    """The JobSpec of `areal train`: the trainers, the servers they start or use, the
+    watchdog and restart rules, where the job runs."""
+    where = scheduler_opts(sched, asked)
+    allocation = train_allocation(asked["alloc"])
+    python = asked["python"] or python_default()
+    trainer = trainer_role(
+        script, script_args, allocation, int(asked["nnodes"]), node_rank=int(asked["node_rank"]),
+        master_addr=str(asked["master_addr"]), master_port=asked["master_port"], python=python,
+        areal_overrides=bool(asked["areal_overrides"]),
+    )  # fmt: skip
+    experiment, trial = job_names(asked)
+    dry_run = asked["dry_run"]
+    env = debug_env(asked["debug_preset"], not dry_run)
+    trainer = replace(trainer, env=tuple(env.items()))
+    servers = colaunched_servers(allocation, asked["model"], python)
+    key = str(asked["api_key"])
+    found = None
+    if servers is None:
+        found = find(str(asked["servers"]), key, experiment, trial,
+                     int(asked["min_servers"]), asked["wait_servers"])  # fmt: skip
+    check_overrides_key(servers, trainer.areal_overrides, key)
+    if found is not None and found.addrs and not dry_run:
+        found = checked_keys(found, trainer.areal_overrides, explicit_key(key))
+    if trainer.areal_overrides:
+        trainer = areal_trainer(
+            trainer, servers, found, dry_run, sched.opened_registry(), (experiment, trial)
+        )
+    limit_s, auto = watchdog_limit(asked["watchdog"])
+    return JobSpec(
+        watchdog=limit_s,
+        watchdog_auto=auto,
+        watchdog_action=watchdog_action(str(asked["watchdog_action"])),
+        max_restarts=int(asked["max_restarts"]),
+        restart_on=restart_on(str(asked["restart_on"])),
+        experiment=experiment,
+        trial=trial,
+        servers=servers,
+        trainer=trainer,
+        alloc=allocation.text,
+        allocation=allocation,
+        gpus_flag=asked["gpus"],
+        api_key=key,
+        health_timeout=seconds("--health-timeout", asked["health_timeout"]),
+        external_servers=tuple(found.addrs) if found else (),
+        external_backend=found.backend if found else None,
+        external_api_key=found.api_key if found else None,
+        scheduler_opts=where,
+    )
+
+
+def serve_spec(asked: Asked, extra_args: list[str], sched) -> tuple[JobSpec, list[str], list[str]]:
+    """The JobSpec of `areal serve`, the notes its plan shows first, and those of them that
+    say where a flag rewrote the job YAML (a run shows these too)."""
+    where = scheduler_opts(sched, asked)
+    model = asked["model"]
+    if not model:
+        raise UsageError("--model is required", hint="areal serve --model /path/to/model")
+    # A dry run plans without the model: on a cluster it may exist on the nodes only.
+    ref = models.parse(str(model), missing_ok=asked["dry_run"])
+    notes = [] if ref.found else [f"model {ref.name} not found on this host"]
+    keys = ("alloc", "backend", "dp", "tp")
+    shape, rewritten = serve_shape(asked.given(keys), asked.job_yaml)
+    notes += rewritten
+    allocation, backend, dp, tp, pp = serve_allocation(
+        shape.get("alloc"), shape.get("backend"), shape.get("dp"), shape.get("tp")
+    )
+    gpus_flag = asked["gpus"]
+    role = ServerRole(
+        backend=backend or default_backend(gpus_flag),
+        model_path=ref.name,
+        revision=ref.revision,
+        replicas=dp or 1,
+        tp=tp or 1,
+        pp=pp,
+        host=asked["host"],
+        port_base=asked["port_base"],
+        python=asked["python"] or python_default(),
+        extra_args=tuple(extra_args or asked.job_yaml.get("extra_args", [])),
+        seed=int(asked["seed"]),
+        allow_unauthenticated_control=bool(asked["allow_unauthenticated_control"]),
+        max_restarts=restart_budget(asked["max_restarts"]),
+    )
+    experiment, trial = job_names(asked)
+    spec = JobSpec(
+        experiment=experiment,
+        trial=trial,
+        servers=role,
+        alloc=allocation.text if allocation else serve_alloc_text(role),
+        allocation=allocation,
+        gpus_flag=None if gpus_flag is None else str(gpus_flag),
+        api_key=str(asked["api_key"]),
+        health_timeout=seconds("--health-timeout", asked["health_timeout"]),
+        scheduler_opts=where,
+    )
+    return spec, notes, rewritten

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from areal_cli.errors import UsageError
+
+TYPE_CHECKING = False  # typing's, without importing typing
+if TYPE_CHECKING:
+    import threading
 
 ROLES = ("server", "rank", "torchrun", "supervisor", "watchdog")
 _NAME = re.compile(r"^(server|rank)-(\d+)\.log$")
@@ -216,6 +219,8 @@ def follow_in_background(
     """Feed the lines a new run writes to the folder's logs of `roles` to `on_line` until
     `stop` is set (then once more, so the last lines are not lost). What the files held
     before is not shown: a run writes its logs as new files (see fresh_log)."""
+    import threading  # here: `areal ps` imports this module and starts no thread
+
     follower = Follower(log_dir, history=None, roles=roles)
     follower.skip_existing()
 

@@ -31,7 +31,7 @@ import sys
 from collections.abc import Callable
 from functools import cache, lru_cache
 
-from areal_cli.errors import ArealError, UsageError
+from areal_cli.errors import ArealError, ArealWarning, UsageError
 
 ENGINES = "areal_cli.engines"
 SCHEDULERS = "areal_cli.schedulers"
@@ -201,8 +201,6 @@ def load(group: str, name: str, base: type | None = None):
     must be a subclass of `base`. Anything wrong is one UsageError naming the entry."""
     import importlib
     import warnings
-
-    from areal_cli.errors import ArealWarning
 
     entry, *others = _find(group, name)
     what = f"{noun(group)} {name!r} (entry point {entry.where})"

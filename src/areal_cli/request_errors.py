@@ -58,20 +58,56 @@ def from_server_info(info: Any) -> dict | None:
     return {**got, "source": "server"}
 
 
+class Counts:
+    """A server's answers over the last `window_s` seconds, as stored (less `source`): the
+    hf server keeps one of its own answers, AccessLog one of an engine's access lines."""
+
+    def __init__(self, window_s: float = WINDOW_S):
+        self.window_s = window_s
+        self.total = 0
+        self.ok: collections.deque[float] = collections.deque()
+        self.errors: collections.deque[float] = collections.deque()
+        self.last: dict[str, Any] | None = None
+        self.streak = 0  # errors since the last answer below 400
+        self.streak_from = 0.0
+
+    def record(self, route: str, status: int, message: str, now: float | None = None) -> None:
+        """One answer: `route` ("POST /generate") got `status`; `message`, an error's text."""
+        now = time.monotonic() if now is None else now
+        if status < 400:
+            self.ok.append(now)
+            self.streak = 0
+        else:
+            self.total += 1
+            self.errors.append(now)
+            if not self.streak:
+                self.streak_from = now
+            self.streak += 1
+            self.last = {"at": time.time(), "route": route, "status": status, "message": message}
+        self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        for q in (self.ok, self.errors):
+            while q and q[0] < now - self.window_s:
+                q.popleft()
+
+    def to_json(self, now: float | None = None) -> dict[str, Any]:
+        now = time.monotonic() if now is None else now
+        self._prune(now)
+        return {"window_s": self.window_s, "errors": len(self.errors), "answered": len(self.ok),
+                "total": self.total, "streak": self.streak,
+                "streak_s": round(now - self.streak_from, 1) if self.streak else 0.0,
+                "last": self.last}  # fmt: skip
+
+
 class AccessLog:
     """The answers an engine's access log shows, read from where it ended at the last read."""
 
     def __init__(self, path: str | os.PathLike, window_s: float = WINDOW_S):
         self.path = path
-        self.window_s = window_s
         self.offset = 0
         self.partial = b""
-        self.total = 0
-        self.ok: collections.deque[float] = collections.deque()
-        self.errors: collections.deque[float] = collections.deque()
-        self.last: dict | None = None
-        self.streak = 0
-        self.streak_from = 0.0
+        self.counts = Counts(window_s)
 
     def read(self) -> dict:
         now = time.monotonic()
@@ -91,13 +127,7 @@ class AccessLog:
         self.partial = lines.pop()
         for raw in lines:
             self._line(raw.decode(errors="replace"), now)
-        for q in (self.ok, self.errors):
-            while q and q[0] < now - self.window_s:
-                q.popleft()
-        return {"window_s": self.window_s, "errors": len(self.errors), "answered": len(self.ok),
-                "total": self.total, "streak": self.streak,
-                "streak_s": round(now - self.streak_from, 1) if self.streak else 0.0,
-                "last": self.last, "source": "access log"}  # fmt: skip
+        return {**self.counts.to_json(now), "source": "access log"}
 
     def _line(self, line: str, now: float) -> None:
         m = _ACCESS.search(line)
@@ -106,18 +136,9 @@ class AccessLog:
         path = m["path"].split("?", 1)[0]
         if path in UNCOUNTED:
             return
-        status = int(m["status"])
-        if status < 400:
-            self.ok.append(now)
-            self.streak = 0
-            return
-        self.total += 1
-        self.errors.append(now)
-        if not self.streak:
-            self.streak_from = now
-        self.streak += 1
-        self.last = {"at": time.time(), "route": f"{m['method']} {path}", "status": status,
-                     "message": line.strip()[-TEXT_MAX:]}  # fmt: skip
+        # The error's own text is not in the log: the access line is the message.
+        self.counts.record(f"{m['method']} {path}", int(m["status"]), line.strip()[-TEXT_MAX:],
+                           now)  # fmt: skip
 
 
 def refusing(errors: dict | None) -> bool:

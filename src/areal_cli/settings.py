@@ -6,6 +6,9 @@ import os
 import re
 from pathlib import Path
 
+from areal_cli import files
+from areal_cli.errors import UsageError
+
 DEFAULT_REGISTRY = "/tmp/areal/name_resolve"
 # Same defaults for every command, so `areal serve` then `areal train` meet each other.
 DEFAULT_EXPERIMENT = "default"
@@ -41,8 +44,6 @@ def home(override: str | Path | None = None) -> Path:
 
 
 def _checked_home(raw: str, source: str) -> Path:
-    from areal_cli.errors import UsageError
-
     if not raw.strip():
         raise UsageError(f"{source} is empty", hint="name the folder of your job records")
     path = Path(raw).expanduser().resolve()
@@ -92,8 +93,6 @@ def use_registry(value: str) -> None:
 def port_base(default: int) -> int:
     """AREAL_PORT_BASE: where the search for free server ports starts when --port-base is not
     given (users sharing a node can keep apart this way)."""
-    from areal_cli.errors import UsageError
-
     raw = os.environ.get("AREAL_PORT_BASE")
     if not raw:
         return default
@@ -105,16 +104,7 @@ def port_base(default: int) -> int:
 def registry_ttl() -> float:
     """AREAL_REGISTRY_TTL: seconds a registered server or rank outlives its last renewal
     (renewed every third of it). Shorter drops dead hosts sooner and costs more writes."""
-    from areal_cli.errors import UsageError
-
-    raw = os.environ.get("AREAL_REGISTRY_TTL", "30")
-    try:
-        ttl = float(raw)
-    except ValueError:
-        ttl = float("nan")
-    if not 1 <= ttl <= 3600:
-        raise UsageError(f"AREAL_REGISTRY_TTL={raw!r} is not a number of seconds in 1..3600")
-    return ttl
+    return _seconds("AREAL_REGISTRY_TTL", "30", 1, 3600)
 
 
 def log_dir(home_dir: Path, experiment: str, trial: str) -> Path:
@@ -125,9 +115,6 @@ def ensure_dir(path: Path | str, what: str = "--home (or AREAL_HOME)") -> Path:
     """mkdir -p of a folder only this user can write (files.private_dir: 0700 whatever the
     umask, refused when another user could write or swap it), with a usage error naming the
     flag to change when it cannot be made."""
-    from areal_cli import files
-    from areal_cli.errors import UsageError
-
     path = Path(path)
     try:
         files.private_dir(path)
@@ -141,13 +128,17 @@ def ensure_dir(path: Path | str, what: str = "--home (or AREAL_HOME)") -> Path:
 def slurm_timeout() -> float:
     """AREAL_SLURM_TIMEOUT: seconds one Slurm command (squeue, scancel, sinfo; sbatch twice
     that) may take before the controller counts as not answering."""
-    from areal_cli.errors import UsageError
+    return _seconds("AREAL_SLURM_TIMEOUT", "30", 0.5, 600)
 
-    raw = os.environ.get("AREAL_SLURM_TIMEOUT", "30")
+
+def _seconds(name: str, default: str, low: float, high: float) -> float:
+    """The environment variable `name`: a number of seconds in low..high (a UsageError
+    naming the variable and its value when it is not one)."""
+    raw = os.environ.get(name, default)
     try:
         value = float(raw)
     except ValueError:
-        value = float("nan")
-    if not 0.5 <= value <= 600:
-        raise UsageError(f"AREAL_SLURM_TIMEOUT={raw!r} is not a number of seconds in 0.5..600")
+        value = float("nan")  # fails the range check below, with the same message
+    if not low <= value <= high:
+        raise UsageError(f"{name}={raw!r} is not a number of seconds in {low:g}..{high:g}")
     return value

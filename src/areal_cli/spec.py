@@ -8,10 +8,9 @@ Nothing here starts a process or touches the network.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from areal_cli.alloc import Allocation
+from areal_cli.alloc import Allocation, parse
+from areal_cli.parallel import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -58,6 +57,25 @@ class TrainerRole:
     areal_overrides: bool = False
     # AReaL's version in `python` (areal_entry.probe): which overrides it understands.
     areal_version: str = ""
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a user asked of `areal serve` or `areal train`, parsed once: each option's value
+    (a flag over the job YAML over the option's own default), the options given on the
+    command line, and the job YAML as read (keys with underscores; those without a flag,
+    such as `scheduler_opts`, are read from here)."""
+
+    values: dict
+    flags: frozenset = frozenset()
+    job_yaml: dict = field(default_factory=dict)
+
+    def __getitem__(self, key: str):
+        return self.values[key]
+
+    def given(self, keys) -> dict:
+        """Those of `keys` given on the command line, with their values."""
+        return {k: self.values[k] for k in keys if k in self.flags}
 
 
 @dataclass(frozen=True)
@@ -109,15 +127,11 @@ class JobSpec:
     def parsed_alloc(self) -> Allocation | None:
         text = self.alloc or (self.trainer.alloc if self.trainer else None)
         if self.allocation is None and text:
-            from areal_cli.alloc import parse
-
             object.__setattr__(self, "allocation", parse(text))
         return self.allocation
 
     def train_dims(self):
         """The training component's parallel dims (ParallelDims), from the parsed allocation."""
-        from areal_cli.parallel import ParallelDims
-
         a = self.parsed_alloc()
         return ParallelDims.from_component(a.train or a.components[0])
 

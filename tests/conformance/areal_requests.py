@@ -110,7 +110,7 @@ def main(argv: list[str]) -> int:
 
     from safetensors.torch import load_file
 
-    from areal_cli.server import weight_group
+    from areal_cli.backends import weight_group
 
     url, model_dir, group_name, *only = argv
     weights = {}

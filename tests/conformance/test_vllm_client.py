@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from areal_cli.backends import sync_vllm
 from areal_cli.errors import UsageError
 from areal_cli.worker import weights
 from areal_cli.worker.rollout import RolloutClient, RolloutError
@@ -110,7 +111,7 @@ class RecordingGroup:
 def test_native_weight_transfer_choreography(monkeypatch):
     import torch
 
-    monkeypatch.setattr(weights, "VLLM_GROUP", RecordingGroup)
+    monkeypatch.setattr(sync_vllm, "VLLM_GROUP", RecordingGroup)
     RecordingGroup.made.clear()
     state = {"a.weight": torch.ones(2, 3), "b.bias": torch.zeros(4)}
 
@@ -188,7 +189,7 @@ def test_vllm_032_gets_full_metadata_every_round_and_no_version_spans(monkeypatc
     versions: the version it holds comes from /weight_info."""
     import torch
 
-    monkeypatch.setattr(weights, "VLLM_GROUP", RecordingGroup)
+    monkeypatch.setattr(sync_vllm, "VLLM_GROUP", RecordingGroup)
     state = {"a.weight": torch.ones(2, 3), "b.bias": torch.zeros(4)}
 
     async def main():

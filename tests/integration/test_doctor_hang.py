@@ -642,7 +642,7 @@ def test_ranks_are_read_from_proc_as_psutil_reads_them(tmp_path):
 def test_a_py_spy_too_old_for_the_ranks_python_is_named(tmp_path, monkeypatch):
     """py-spy's version is asked while the first dumps run (not before them): a release too
     old for the ranks' Python still ends in the one message naming it, with the fix."""
-    from areal_cli.diagnose import hang, targets
+    from areal_cli.diagnose import attach, hang, targets
 
     real = stacks.require_pyspy()
     old = tmp_path / "py-spy"
@@ -655,7 +655,7 @@ def test_a_py_spy_too_old_for_the_ranks_python_is_named(tmp_path, monkeypatch):
     rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         jobs = targets.resolve(pids=[rank.pid])
-        with pytest.raises(hang.AttachError) as e:
+        with pytest.raises(attach.AttachError) as e:
             hang.diagnose(jobs, samples=1)
     finally:
         rank.kill()

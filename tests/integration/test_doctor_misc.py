@@ -16,24 +16,34 @@ from areal_cli.diagnose import allreduce
 AREAL = str(Path(sys.executable).parent / "areal")
 
 
+# Each call tags what it starts, so a leak check counts this test's repro ranks only, not those
+# of an allreduce test running beside it in another worker.
+TAG = "AREAL_TEST_CALL"
+
+
 def doctor(
-    *args: str, env: dict | None = None, timeout: float = 120
+    *args: str, env: dict | None = None, timeout: float = 120, tag: str = ""
 ) -> subprocess.CompletedProcess:
+    env = {**(os.environ if env is None else env), TAG: tag}
     return subprocess.run(
         [AREAL, "doctor", *args], capture_output=True, text=True, timeout=timeout, env=env
     )
 
 
-def repro_processes() -> list[psutil.Process]:
+def repro_processes(tag: str) -> list[psutil.Process]:
     found = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         if any("allreduce_repro.py" in c for c in (p.info["cmdline"] or [])):
-            found.append(p)
+            try:
+                if p.environ().get(TAG) == tag:
+                    found.append(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue  # gone, or not ours to read: not this test's rank
     return found
 
 
 def test_allreduce_gloo_table_follows_the_busbw_formula():
-    before = {p.pid for p in repro_processes()}
+    tag = os.urandom(8).hex()
     res = doctor(
         "allreduce",
         "--backend",
@@ -46,6 +56,7 @@ def test_allreduce_gloo_table_follows_the_busbw_formula():
         "5",
         "--warmup",
         "1",
+        tag=tag,
     )
     assert res.returncode == 0, res.stdout + res.stderr
     rows = []
@@ -61,7 +72,7 @@ def test_allreduce_gloo_table_follows_the_busbw_formula():
         assert abs(float(busbw) - float(algbw) * 2 * (n - 1) / n) <= 0.0015
         assert wrong == "0"
     assert "busbw" in res.stdout and "(GB/s)" in res.stdout and "avg busbw" in res.stdout
-    assert not [p for p in repro_processes() if p.pid not in before]
+    assert not repro_processes(tag)
 
 
 def pytest_approx(expected: float, shown: float) -> float:
@@ -71,6 +82,7 @@ def pytest_approx(expected: float, shown: float) -> float:
 
 def test_allreduce_forced_hang_gives_a_verdict_and_exits_in_time():
     env = {**os.environ, allreduce.FORCE_HANG_ENV: "1"}
+    tag = os.urandom(8).hex()
     # Room for two ranks to import torch and meet on a loaded machine (at 10 s they were
     # seen still importing, and nothing had hung yet; at a load of 20, 20 s was not enough).
     timeout = 45
@@ -86,6 +98,7 @@ def test_allreduce_forced_hang_gives_a_verdict_and_exits_in_time():
         str(timeout),
         "--json",
         env=env,
+        tag=tag,
         timeout=timeout + 120,  # in time: a run that outlived its timeout this long fails
     )
     assert res.returncode == 3, res.stdout + res.stderr
@@ -96,7 +109,7 @@ def test_allreduce_forced_hang_gives_a_verdict_and_exits_in_time():
     odd = next(r for r in data["hang"]["ranks"] if r["rank"] == 1)
     assert odd["frame"]["function"] == "skip_collective"
     assert "torn down" in res.stderr
-    assert not repro_processes()
+    assert not repro_processes(tag)
 
 
 def test_print_script_is_the_template():

@@ -160,7 +160,7 @@ def test_a_server_killed_mid_broadcast_is_named_and_the_sync_goes_on_without_it(
 # keep its weights, and refuse a second group of the same name.
 BAD_SENDER = textwrap.dedent("""
     import json, sys, threading, urllib.request, torch
-    from areal_cli.server import weight_group
+    from areal_cli.backends import weight_group
     url, name = sys.argv[1], "g1"
 
     def post(path, body):
@@ -259,7 +259,7 @@ SGLANG_RECEIVER = textwrap.dedent("""
 def test_our_group_meets_sglangs_own_group_helper(tmp_path):
     import torch
 
-    from areal_cli.server import weight_group
+    from areal_cli.backends import weight_group
 
     store = weight_group.listen("127.0.0.1", 2, 30)
     proc = subprocess.Popen(

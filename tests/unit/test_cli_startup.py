@@ -68,6 +68,29 @@ def test_fast_paths_import_nothing_heavy(tmp_path, args, modules):
         assert "psutil" not in roots(mods)
 
 
+def test_ps_of_a_used_home_reads_its_records_without_dataclasses_or_typing(tmp_path):
+    """`dataclasses` (with inspect, ast, dis) and `typing` were a third of what `areal ps
+    --json` cost beyond a bare interpreter: the records and statuses it reads are plain."""
+    from pathlib import Path
+
+    from areal_cli import schedulers
+    from areal_cli.schedulers.local import records
+
+    home = Path(os.environ["AREAL_HOME"])
+    schedulers.note_used(home, "local")
+    records.write(home, records.JobRecord(
+        experiment="e", trial="t", kind="serve", state="stopped", marker="m", supervisor_pid=1,
+        supervisor_create_time=None, host="h", started=1.0, log_dir="/l", registry="/r",
+        processes=[records.ProcessRecord("server", 0, 2, ["x"], "/l/s", addr="127.0.0.1:9")],
+    ))  # fmt: skip
+    res, mods = loaded(tmp_path, "ps", "--all", "--json")
+    assert res.returncode == 0, res.stderr
+    (job,) = json.loads(res.stdout)
+    assert (job["name"], job["state"]) == ("e/t", "stopped")
+    assert job["servers"][0]["addr"] == "127.0.0.1:9"
+    assert not mods & {"dataclasses", "typing", "inspect"}, sorted(mods & {"dataclasses", "typing"})
+
+
 @pytest.mark.parametrize("args", [["--help"], ["doctor", "hang", "--help"], ["train"]])
 def test_help_skips_markdown_and_pygments(tmp_path, args):
     res, mods = loaded(tmp_path, *args)
@@ -171,16 +194,17 @@ def test_doctor_hang_with_plain_flags_skips_typer(tmp_path):
     ],
 )
 def test_doctor_hang_plain_parser_leaves_the_rest_to_typer(args):
-    from areal_cli.commands import doctor_hang
+    from areal_cli.commands import doctor_hang, parse
 
-    assert doctor_hang.parse_plain(args) is None
+    assert parse(doctor_hang.OPTIONS, args) is None
 
 
 def test_doctor_hang_plain_parser_reads_what_typer_reads():
-    from areal_cli.commands import doctor_hang
+    from areal_cli.commands import doctor_hang, parse
 
-    opts = doctor_hang.parse_plain(
-        ["-p", "3", "--pid=4", "-n", "2", "--interval", "0", "--json", "--native", "--out", "d"]
+    opts = parse(
+        doctor_hang.OPTIONS,
+        ["-p", "3", "--pid=4", "-n", "2", "--interval", "0", "--json", "--native", "--out", "d"],
     )
     assert opts["pid"] == [3, 4] and opts["samples"] == 2 and opts["interval"] == 0.0
     assert opts["json_out"] and opts["native"] and not opts["show_locals"]

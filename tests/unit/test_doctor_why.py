@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from areal_cli import schedulers
 from areal_cli.diagnose import why
 from areal_cli.schedulers.api import Scheduler
 from tests.helpers import REPO, areal
@@ -150,11 +151,16 @@ def test_how_slurm_ended_a_job_names_who_sent_the_signal():
          "Slurm cancel (scancel)"),
         ("failed", "Slurm: NODE_FAIL", "slurm", "Slurm node failure"),
     ]:  # fmt: skip
-        (ev,) = why.record_events(state, message, scheduler=sched)
+        (ev,) = why.record_events(state, message, killed_by=_killed_by(sched))
         assert (ev.kind, ev.sender) == ("signal", sender), (state, message)
-    (ev,) = why.record_events("failed", "Slurm: OUT_OF_MEMORY", scheduler="slurm")
+    (ev,) = why.record_events("failed", "Slurm: OUT_OF_MEMORY", killed_by=_killed_by("slurm"))
     assert ev.kind == "oom_killer" and "areal doctor memory" in ev.hint
-    assert why.record_events("killed", None, scheduler="local") == []
+    assert why.record_events("killed", None, killed_by=_killed_by("local")) == []
+
+
+def _killed_by(name: str) -> str | None:
+    # What the caller (areal doctor why) passes: the job's scheduler's own declaration.
+    return schedulers.scheduler_class(name).killed_by
 
 
 class _Reclaiming(Scheduler):
@@ -172,9 +178,10 @@ def test_who_kills_a_job_is_what_its_scheduler_declares(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(dist.make(tmp_path, "reclaim", group)))
     plugins.refresh()
     try:
-        (ev,) = why.record_events("killed", None, scheduler="reclaim")
+        (ev,) = why.record_events("killed", None, killed_by=_killed_by("reclaim"))
         assert (ev.kind, ev.sender) == ("signal", "the cluster reclaiming its nodes")
-        assert why.record_events("killed", None, scheduler="no-such-scheduler") == []
+        # A scheduler that declares no killer: the record alone names no sender.
+        assert why.record_events("killed", None) == []
     finally:
         monkeypatch.undo()
         plugins.refresh()

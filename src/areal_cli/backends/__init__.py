@@ -33,6 +33,7 @@ import sys
 from dataclasses import dataclass
 from types import ModuleType
 
+from areal_cli import files, plugins, settings
 from areal_cli.backends import protocol_sglang, protocol_vllm
 from areal_cli.errors import UsageError
 from areal_cli.spec import ServerRole
@@ -337,7 +338,7 @@ class VLLM(Backend):
         return env
 
     def check_bind(self, role):
-        if getattr(role, "allow_unauthenticated_control", False) or _is_loopback(role.host):
+        if getattr(role, "allow_unauthenticated_control", False) or is_loopback(role.host):
             return
         raise UsageError(
             f"a vLLM server on {role.host} would let anyone who reaches it pause it and load "
@@ -443,8 +444,6 @@ ENGINE_SGLANG, ENGINE_VLLM, ENGINE_HF = (BACKENDS[n] for n in ("sglang", "vllm",
 def get(name: str) -> Backend:
     """The engine `name` (or one of its aliases), from its entry point in group
     areal_cli.engines: a Backend, or a Backend subclass made with no arguments."""
-    from areal_cli import plugins
-
     if name not in _LOADED:
         found = plugins.load(plugins.ENGINES, name)
         if isinstance(found, type) and issubclass(found, Backend):
@@ -464,8 +463,6 @@ _LOADED: dict[str, Backend] = {}
 
 def names() -> tuple[str, ...]:
     """The installed engines' names (aliases left out), in the order they were declared."""
-    from areal_cli import plugins
-
     return tuple(plugins.names(plugins.ENGINES))
 
 
@@ -622,8 +619,6 @@ def _probe_key(backend: Backend, python: str, stamp: str) -> str | None:
 
 
 def _passed_probes() -> list[str]:
-    from areal_cli import settings
-
     try:
         got = json.loads((settings.home() / _PROBE_CACHE).read_text())
         return [k for k in got if isinstance(k, str)] if isinstance(got, list) else []
@@ -632,8 +627,6 @@ def _passed_probes() -> list[str]:
 
 
 def _remember_probe(key: str) -> None:
-    from areal_cli import files, settings
-
     keys = [k for k in _passed_probes() if k != key][-31:] + [key]
     try:
         files.private_dir(settings.home())
@@ -689,7 +682,8 @@ def _has_flag(args: tuple[str, ...], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost: a bind only this host reaches."""
     import ipaddress
 
     if host == "localhost":

@@ -5,6 +5,10 @@ One module per protocol (`protocol_sglang`, spoken by SGLang and by areal's `hf`
 read what goes over HTTP and nothing else: the pool, failover and timeouts live in
 `worker/rollout.py`, the stdlib calls of a teardown in `control.py`. Stdlib only, so the
 CLI's start-up path (`areal ps`, discovery) can use them without aiohttp or torch.
+
+Besides routes and parsers, each names `sampling_params` (the sampling dict its requests are
+built from), `has_spans(engine_version)` (whether completions carry weight-version spans), and
+`WEIGHT_SYNC`, the module of its distributed weight-sync steps (backends/weight_sync.py).
 """
 
 from __future__ import annotations
@@ -26,6 +30,12 @@ class Completion:
     # [(version, start, end)] over output positions when the weights changed mid-request
     # (a retracted request that continued after a weight update); None when unknown.
     weight_versions: list[tuple[str, int, int]] | None = None
+
+
+# The weight version every engine starts at and keeps until a weight update names another
+# (SGLang 0.5.23 srt/arg_groups/fields/serving.py:172-175, vLLM 0.32 v1/engine/core.py:141,
+# the hf server's batcher).
+INITIAL_VERSION = "default"
 
 
 def version_str(value: Any) -> str | None:

@@ -54,6 +54,8 @@ NOT_FOUND_HINT = None
 NATIVE_WEIGHT_TRANSFER = False
 # Whether readiness tells a paused server (/ready 503, /ping 200) from a running one.
 PAUSED_BY_READINESS = True
+# Its steps of a distributed weight sync (a torch group the servers join).
+WEIGHT_SYNC = "areal_cli.backends.sync_sglang"
 
 # Readiness (sglang 0.5.23, srt/entrypoints/http_server.py). /health answers 503 while the
 # server's status is Starting (:735-736), and after that runs a one-token generation and
@@ -98,6 +100,11 @@ def generate_request(
 ) -> tuple[str, dict]:
     """The /generate request; SGLang needs no model name and always says versions."""
     return "/generate", {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True}
+
+
+def has_spans(engine_version: tuple[int, ...] | None) -> bool:
+    """Whether completions carry per-position weight versions: every reply says them."""
+    return True
 
 
 def first_request(engine_args: Sequence[str] = ()) -> tuple[str, dict] | None:

@@ -56,6 +56,8 @@ NOT_FOUND_HINT = (
 NATIVE_WEIGHT_TRANSFER = True
 # Its paused state is only what PAUSED_PATH says (readiness does not change).
 PAUSED_BY_READINESS = False
+# Its steps of a distributed weight sync (its native weight transfer).
+WEIGHT_SYNC = "areal_cli.backends.sync_vllm"
 # It has no owner of its weights to give back (areal's hf server has, for one trainer at a
 # time).
 RELEASE_OWNER_PATH = None

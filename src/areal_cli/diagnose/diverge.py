@@ -23,6 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from areal_cli.diagnose import remote_call
 from areal_cli.diagnose.targets import Job
 from areal_cli.errors import ArealError, UsageError, WaitTimeout
 from areal_cli.worker import channel
@@ -98,8 +99,6 @@ class _Nodes:
         self.world_size = 0  # the largest WORLD_SIZE a node's ranks carry
 
     def _call(self, op: str, timeout: float, gap: float = 0.0, **args) -> list[dict]:
-        from areal_cli.diagnose import remote
-
         argv = ["diverge", "--op", op]
         if "step" in args:
             argv += ["--step", str(args["step"])]
@@ -107,7 +106,7 @@ class _Nodes:
             argv += ["--wait", str(args["wait"])]
         if gap:
             argv += ["--gap", str(gap)]
-        got = remote.on_nodes(self.job, argv, timeout=timeout + gap + 30.0)
+        got = remote_call.on_nodes(self.job, argv, timeout=timeout + gap + 30.0)
         bad = {n: why for n, (data, why) in got.items() if data is None or data.get("error")}
         if bad:
             node, why = next(iter(bad.items()))
@@ -179,7 +178,23 @@ def run(
 ) -> DivergeResult:
     t0 = time.monotonic()
     deadline = t0 + timeout  # for everything: the asks, the arming, the wait for the step
-    ranks = _Nodes(job, deadline) if job.scheduler_job_id else _Local(job, deadline)
+    ranks = _Nodes(job, deadline) if job.on_other_nodes else _Local(job, deadline)
+    first, again, rtt = _read_steps(job, ranks)
+    target, armed, attempt = _arm(job, ranks, first, again, rtt, lead_s=lead_s, tries=tries)
+    all_ranks = sorted(armed)
+    results = _wait_results(ranks, target, all_ranks, deadline)
+    missing = sorted(r for r in all_ranks if not results.get(r, {}).get("done"))
+    done = [r for r in all_ranks if results.get(r, {}).get("done")]
+    if not done:
+        _raise_not_reached(job, ranks, target, all_ranks, timeout)
+    report = results[done[0]]["report"]
+    return DivergeResult(job.name or job.label, target, report, all_ranks, missing,
+                         time.monotonic() - t0, attempt, dict(ranks.nodes))  # fmt: skip
+
+
+def _read_steps(job: Job, ranks) -> tuple[dict, dict, float]:
+    """Every rank's step read twice, GAP_S apart, and one request's round trip; UsageError
+    when a rank does not answer, reports no step, or is not among those found."""
     sent = time.monotonic()
     first, again = ranks.progress_twice(GAP_S)
     # One request's round trip: what the two reads took beyond the gap between them, halved.
@@ -201,6 +216,14 @@ def run(
             "collective of every rank",
             hint="name the job (--job E/T) or its launcher's pid, not some of its ranks",
         )
+    return first, again, rtt
+
+
+def _arm(
+    job: Job, ranks, first: dict, again: dict, rtt: float, *, lead_s: float, tries: int
+) -> tuple[int, dict, int]:
+    """Name a step ahead of every rank and commit it once all of them took it, a step further
+    ahead each try: (the step, each rank's answer to the arm, the tries it took)."""
     rate = _rate(first, again)
     target = None
     for attempt in range(1, tries + 1):
@@ -217,47 +240,55 @@ def run(
             raise
         rtt = max(rtt, time.monotonic() - sent)
         if all(isinstance(a, dict) and a.get("armed") for a in armed.values()):
-            # A rank that watches no model could not take part in the check's collectives:
-            # the check is not for this job (a bad target), not a mismatch.
-            blind = sorted(r for r, a in armed.items() if not a.get("has_model", True))
-            if blind:
-                ranks.ask("diverge_cancel", step=target)
-                raise UsageError(
-                    f"rank(s) {blind} of {job.label} watch no model: there is nothing to compare",
-                    hint="the training script names its model with areal_cli.worker.watch("
-                    "model, optimizer) (shard_model does it)",
-                )
-            try:
-                committed = ranks.ask("diverge_commit", step=target)
-            except ArealError as e:
-                raise ArealError(
-                    f"{e.message}; the ranks of the nodes that took the commit of step "
-                    f"{target} run the check without the others'",
-                    hint="a job whose ranks then wait in the check hangs: areal doctor hang",
-                ) from None
-            lost = sorted(r for r, a in committed.items()
-                          if not (isinstance(a, dict) and a.get("committed")))  # fmt: skip
-            if lost:
-                raise ArealError(
-                    f"rank(s) {lost} of {job.label} did not take the commit of step {target} "
-                    "(they gave up waiting for it); the others run the check without them",
-                    hint="a job whose ranks then wait in the check hangs: areal doctor hang",
-                )
-            break
+            _commit(job, ranks, target, armed)
+            return target, armed, attempt
         ranks.ask("diverge_cancel", step=target)
         _raise_unanswered(armed, job, ranks)
         first, again = ranks.progress_twice(GAP_S)
         _raise_unanswered(again, job, ranks)
         rate = max(rate, _rate(first, again))
-    else:
-        now = {r: a.get("step") for r, a in again.items() if isinstance(a, dict)}
-        raise ArealError(
-            f"the ranks of {job.label} outran every step named to them ({tries} tries, the "
-            f"last {target}; steps now {now}, about {rate:.0f} steps/s)",
-            hint="try again; a job whose steps come in bursts is hardest to catch",
+    now = {r: a.get("step") for r, a in again.items() if isinstance(a, dict)}
+    raise ArealError(
+        f"the ranks of {job.label} outran every step named to them ({tries} tries, the "
+        f"last {target}; steps now {now}, about {rate:.0f} steps/s)",
+        hint="try again; a job whose steps come in bursts is hardest to catch",
+    )
+
+
+def _commit(job: Job, ranks, target: int, armed: dict) -> None:
+    """Every rank took the step: commit it, or say which ranks run the check without the
+    others."""
+    # A rank that watches no model could not take part in the check's collectives:
+    # the check is not for this job (a bad target), not a mismatch.
+    blind = sorted(r for r, a in armed.items() if not a.get("has_model", True))
+    if blind:
+        ranks.ask("diverge_cancel", step=target)
+        raise UsageError(
+            f"rank(s) {blind} of {job.label} watch no model: there is nothing to compare",
+            hint="the training script names its model with areal_cli.worker.watch("
+            "model, optimizer) (shard_model does it)",
         )
+    try:
+        committed = ranks.ask("diverge_commit", step=target)
+    except ArealError as e:
+        raise ArealError(
+            f"{e.message}; the ranks of the nodes that took the commit of step "
+            f"{target} run the check without the others'",
+            hint="a job whose ranks then wait in the check hangs: areal doctor hang",
+        ) from None
+    lost = sorted(r for r, a in committed.items()
+                  if not (isinstance(a, dict) and a.get("committed")))  # fmt: skip
+    if lost:
+        raise ArealError(
+            f"rank(s) {lost} of {job.label} did not take the commit of step {target} "
+            "(they gave up waiting for it); the others run the check without them",
+            hint="a job whose ranks then wait in the check hangs: areal doctor hang",
+        )
+
+
+def _wait_results(ranks, target: int, all_ranks: list[int], deadline: float) -> dict[int, dict]:
+    """rank -> its result of the check at `target` (done, or an error), until the deadline."""
     results: dict[int, dict] = {}
-    all_ranks = sorted(armed)
     while time.monotonic() < deadline and len(results) < len(all_ranks):
         # On a cluster job each poll is a scheduler call: wait longer in each.
         most = 10.0 if isinstance(ranks, _Nodes) else 2.0
@@ -272,30 +303,29 @@ def run(
                 results[r] = {"done": False, "error": str(a)}
             elif a.get("done") or a.get("error"):
                 results[r] = a
-    missing = sorted(r for r in all_ranks if not results.get(r, {}).get("done"))
-    done = [r for r in all_ranks if results.get(r, {}).get("done")]
-    if not done:
-        # Left armed on purpose: withdrawing it now could reach some ranks after the others
-        # entered the check, and those would wait in its collectives for ever.
-        stopped = ranks.stopped(all_ranks)
-        if stopped:
-            pids = " ".join(str(p) for p in stopped.values())
-            raise WaitTimeout(
-                f"no rank of {job.label} reached step {target} within {timeout:g}s: rank(s) "
-                f"{sorted(stopped)} (pid {pids}) are stopped (state T); the check stays armed "
-                "and runs if they get there",
-                hint=f"kill -CONT {pids} resumes them",
-            )
-        now = ranks.ask("progress", timeout=1.0)
-        where = {r: a["step"] for r, a in sorted(now.items()) if isinstance(a, dict)}
+    return results
+
+
+def _raise_not_reached(job: Job, ranks, target: int, all_ranks: list[int], timeout: float):
+    """No rank finished the check in time: say where they are (stopped ones named)."""
+    # Left armed on purpose: withdrawing it now could reach some ranks after the others
+    # entered the check, and those would wait in its collectives for ever.
+    stopped = ranks.stopped(all_ranks)
+    if stopped:
+        pids = " ".join(str(p) for p in stopped.values())
         raise WaitTimeout(
-            f"no rank of {job.label} reached step {target} within {timeout:g}s (steps now "
-            f"{where}); the check stays armed and runs if they get there",
-            hint="a job that stopped stepping may hang: areal doctor hang",
+            f"no rank of {job.label} reached step {target} within {timeout:g}s: rank(s) "
+            f"{sorted(stopped)} (pid {pids}) are stopped (state T); the check stays armed "
+            "and runs if they get there",
+            hint=f"kill -CONT {pids} resumes them",
         )
-    report = results[done[0]]["report"]
-    return DivergeResult(job.name or job.label, target, report, all_ranks, missing,
-                         time.monotonic() - t0, attempt, dict(ranks.nodes))  # fmt: skip
+    now = ranks.ask("progress", timeout=1.0)
+    where = {r: a["step"] for r, a in sorted(now.items()) if isinstance(a, dict)}
+    raise WaitTimeout(
+        f"no rank of {job.label} reached step {target} within {timeout:g}s (steps now "
+        f"{where}); the check stays armed and runs if they get there",
+        hint="a job that stopped stepping may hang: areal doctor hang",
+    )
 
 
 def _cancel_quietly(ranks, step: int) -> None:

@@ -22,7 +22,9 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from areal_cli import files
 from areal_cli.diagnose import collectives
+from areal_cli.diagnose.jsonfields import json_fields
 
 
 @dataclass(frozen=True)
@@ -43,16 +45,7 @@ class Entry:
         return self.state != "completed"
 
     def to_json(self) -> dict:
-        return {
-            "pg": self.pg,
-            "desc": self.desc,
-            "seq": self.seq,
-            "op": self.op,
-            "input_sizes": [list(s) for s in self.input_sizes],
-            "output_sizes": [list(s) for s in self.output_sizes],
-            "dtypes": list(self.dtypes),
-            "state": self.state,
-        }
+        return json_fields(self, "pg desc seq op input_sizes output_sizes dtypes state")
 
     def label(self) -> str:
         sizes = ",".join("x".join(map(str, s)) or "scalar" for s in self.input_sizes)
@@ -162,24 +155,35 @@ def parse(answer: dict, rank: int | None = None, pid: int | None = None) -> Rank
 
 def gather(pids: list[int], timeout: float = 3.0) -> dict[int, RankFlight | str]:
     """pid -> its RankFlight, or why there is none (no channel, no answer). All at once."""
+    out: dict[int, RankFlight | str] = {}
+    for pid, got in ask_all(pids, timeout).items():
+        try:
+            out[pid] = got if isinstance(got, str) else parse(got, pid=pid)
+        except (ValueError, TypeError, KeyError) as e:
+            out[pid] = f"failed: the dump could not be read ({type(e).__name__}: {e})"
+    return out
+
+
+def ask_all(pids: list[int], timeout: float = 3.0) -> dict[int, dict | str]:
+    """pid -> its rank's raw `fr` answer over its doctor channel, or why there is none (a
+    str). All at once: on a node of a cluster job (diagnose.nodes), the answers go back
+    raw and are parsed on the doctor's side."""
     from areal_cli.worker import channel
 
-    out: dict[int, RankFlight | str] = {}
+    out: dict[int, dict | str] = {}
 
     def one(pid: int) -> None:
         try:
-            out[pid] = parse(channel.ask(pid, "fr", timeout=timeout), pid=pid)
+            out[pid] = channel.ask(pid, "fr", timeout=timeout)
         except channel.ChannelError as e:
             out[pid] = f"{e.kind}: {e}"
-        except (ValueError, TypeError, KeyError) as e:
-            out[pid] = f"failed: the dump could not be read ({type(e).__name__}: {e})"
 
     threads = [threading.Thread(target=one, args=(p,), daemon=True) for p in pids]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout + 1.0)
-    return out
+    return dict(out)  # a copy: a rank that answers after the wait adds to `out` meanwhile
 
 
 # --------------------------------------------------------------------------- rules' facts
@@ -287,8 +291,6 @@ def torch_pg_config(f: RankFlight) -> dict:
 def write_torch_dumps(flights: list[RankFlight], out: Path) -> list[Path]:
     """One file per rank in the format `torchfrtrace DIR` reads (a pickle named
     fr_trace_<rank>), pg_config repaired. Private, as the bundle that holds them (files)."""
-    from areal_cli import files
-
     out = files.private_dir(out)
     written = []
     for f in flights:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import psutil
 
+from areal_cli.diagnose import remote_call
 from areal_cli.diagnose.profile import output_dir
 from areal_cli.diagnose.targets import Job
 from areal_cli.worker import channel
@@ -62,7 +63,7 @@ def gather(job: Job, snapshot_dir: str | Path | None = None) -> MemoryReport:
     """Each rank's memory; with `snapshot_dir`, each rank's snapshot written there too."""
     if snapshot_dir is not None:
         output_dir(Path(snapshot_dir))  # a bad folder is exit 2 before any work
-    if job.scheduler_job_id:
+    if job.on_other_nodes:
         return _gather_on_nodes(job, snapshot_dir)
     pairs = [(r.rank if r.rank is not None else i, r.pid) for i, r in enumerate(job.ranks)]
     rep = gather_ranks(pairs, job.name or job.label)
@@ -74,15 +75,13 @@ def gather(job: Job, snapshot_dir: str | Path | None = None) -> MemoryReport:
 def _gather_on_nodes(job: Job, snapshot_dir: str | Path | None) -> MemoryReport:
     """Every node of a cluster job read at once where its ranks run (diagnose.remote); the
     snapshots come back inside the answers and are written under `snapshot_dir`."""
-    from areal_cli.diagnose import remote
-
     rows: list[RankMemory] = []
     nodes: dict[str, dict] = {}
     errors: dict[str, str] = {}
     cgroups: dict[str, dict] = {}
     snaps: list[dict] = []
     argv = ["memory"] + (["--snapshot"] if snapshot_dir is not None else [])
-    for node, (data, why) in remote.on_nodes(job, argv, timeout=120.0).items():
+    for node, (data, why) in remote_call.on_nodes(job, argv, timeout=120.0).items():
         if why:
             errors[node] = why
         if data is None:
@@ -97,7 +96,7 @@ def _gather_on_nodes(job: Job, snapshot_dir: str | Path | None) -> MemoryReport:
             if got.get("data"):
                 stem, _, ext = got["name"].partition(".")
                 path = Path(snapshot_dir) / f"{stem}-{node}.{ext}"
-                path.write_bytes(remote.unpack(got["data"]))
+                path.write_bytes(remote_call.unpack(got["data"]))
                 entry["path"] = str(path.resolve())
             snaps.append(entry)
         nodes[node] = {"host": data.get("host"), "cgroups": list(data.get("cgroups") or {})}

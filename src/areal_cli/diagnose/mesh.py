@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from areal_cli import alloc
 from areal_cli.errors import UsageError
 from areal_cli.parallel import ParallelDims
 
@@ -60,8 +61,6 @@ class Mesh:
 
 
 def from_alloc(text: str, name: str | None = None) -> Mesh:
-    from areal_cli import alloc
-
     parsed = alloc.parse(text)
     if name is not None:
         comp = parsed.get(name)

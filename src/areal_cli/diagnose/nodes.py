@@ -2,15 +2,16 @@
 
     python -m areal_cli.diagnose.nodes --samples N ...
 
-run there by the job's scheduler (Scheduler.run_on_nodes, passed as `reach`: Slurm's srun
---overlap, a Ray actor on the node) runs the same sampling as a local `areal doctor hang` on that node's ranks, all nodes at once,
-and sends its dumps back as JSON, with each rank's flight recorder asked over its doctor
-channel (a Unix socket, so asked on the node) after the last sample. The ranks are the pids the
-rank table names for the node, or, where the table has none, the processes of the job there
-(its marker) that carry RANK.
+run there the job's way (Job.run_on_nodes: the `reach` its scheduler handed in, Slurm's srun
+--overlap, a Ray actor on the node) runs the same sampling as a local `areal doctor hang` on
+that node's ranks, all nodes at once, and sends its dumps back as JSON, with each rank's flight
+recorder asked over its doctor channel (a Unix socket, so asked on the node) after the last
+sample. The ranks are the pids the rank table names for the node, or, where the table has
+none, the processes of the job there (its marker) that carry RANK. The caller's side that
+judges the answers is diagnose.hang_nodes.
 
-A node that cannot be reached (down, or its scheduler refused) gives an error for each of its ranks,
-naming the node; the verdict is drawn from the others.
+A node that cannot be reached (down, or its scheduler refused) gives an error for each of its
+ranks, naming the node; the verdict is drawn from the others.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from areal_cli.diagnose import stacks
+from areal_cli import procs
+from areal_cli.diagnose import attach, flight, stacks
+from areal_cli.diagnose.targets import Job, Tree, rank_proc
 
 Key = tuple[str, int]  # (node, pid): pids repeat across nodes
 
@@ -37,9 +40,7 @@ class NodeResult:
 
 
 def sample(
-    job_id: str,
-    nodes: dict[str, list[int]],
-    marker: str | None,
+    job: Job,
     *,
     samples: int,
     interval: float,
@@ -47,15 +48,14 @@ def sample(
     show_locals: bool = False,
     timeout: float = stacks.DEFAULT_TIMEOUT,
     python: str | None = None,
-    reach,
     with_flight: bool = True,
-    lead: float = 0.5,
 ) -> dict[str, NodeResult]:
-    """node → what its ranks' stacks (and flight recorders) were, every node sampled at the
-    same time. `nodes` maps each node to the pids the rank table names there (empty: find the
-    job's ranks there). `reach`: the job's scheduler's run_on_nodes.
-    `lead`: how far ahead the common first moment lies (the time to start on every node)."""
-    start = time.time() + lead
+    """node → what its ranks' stacks (and flight recorders) were, every node of the cluster
+    job sampled at the same time, reached the job's way (Job.run_on_nodes). `job.nodes` maps
+    each node to the pids the rank table names there (empty: find the job's ranks there);
+    `job.lead`: how far ahead the common first moment lies (the time to start on every node)."""
+    nodes, marker = job.nodes, job.marker
+    start = time.time() + job.lead
     limit = 30 + samples * (interval + timeout)
 
     def command(node: str) -> list[str]:
@@ -85,8 +85,7 @@ def sample(
         flights = {int(pid): f for pid, f in (data.get("flights") or {}).items()}
         return NodeResult(node, data.get("ranks", []), rounds, data.get("error"), flights)
 
-    got = reach(job_id, {n: command(n) for n in nodes}, limit)
-    return {n: result(n, *got.get(n, (None, f"node {n} was not reached"))) for n in nodes}
+    return {n: result(n, *got) for n, got in job.run_on_nodes(command, limit).items()}
 
 
 def _dump(d: dict) -> stacks.Dump:
@@ -120,10 +119,7 @@ def _node_here() -> str | None:
 
 def _ranks_here(pids: list[int], marker: str | None) -> list[dict]:
     """The ranks to dump on this node: the given pids, or the job's processes carrying RANK."""
-    from areal_cli import procs
-    from areal_cli.diagnose.targets import _Tree
-
-    tree = _Tree()
+    tree = Tree()
     here = _node_here()
     candidates = set(pids)
     if not candidates and marker:
@@ -144,12 +140,10 @@ def _ranks_here(pids: list[int], marker: str | None) -> list[dict]:
 
 
 def _given(tree, pids: list[int]):
-    from areal_cli.diagnose.targets import _rank_proc
-
     out = []
     for pid in pids:
         p = tree.proc(pid)
-        r = _rank_proc(p) if p is not None else None
+        r = rank_proc(p) if p is not None else None
         if r is not None:
             out.append(r)
     return out
@@ -167,28 +161,6 @@ def _to_json(d: stacks.Dump) -> dict:
         "ran": None if d.ran is None else {str(k): v for k, v in d.ran.items()},
         "reused": d.reused,
     }
-
-
-def _flights(pids: list[int], timeout: float = 3.0) -> dict[str, dict | str]:
-    """pid -> its rank's raw `fr` answer (parsed on the doctor's side), or why there is none."""
-    import threading
-
-    from areal_cli.worker import channel
-
-    out: dict[str, dict | str] = {}
-
-    def one(pid: int) -> None:
-        try:
-            out[str(pid)] = channel.ask(pid, "fr", timeout=timeout)
-        except channel.ChannelError as e:
-            out[str(pid)] = f"{e.kind}: {e}"
-
-    threads = [threading.Thread(target=one, args=(p,), daemon=True) for p in pids]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout + 1.0)
-    return out
 
 
 def node_main(argv: list[str] | None = None) -> int:
@@ -210,9 +182,7 @@ def node_main(argv: list[str] | None = None) -> int:
         pids = [int(p) for p in a.pids.split(",") if p.strip()]
         out["ranks"] = ranks = _ranks_here(pids, a.marker)
         pyspy = stacks.require_pyspy()
-        from areal_cli.diagnose import hang
-
-        hang.preflight([r["pid"] for r in ranks], pyspy)
+        attach.preflight([r["pid"] for r in ranks], pyspy)
         first = max(a.start, time.time())
         previous = None
         for i in range(max(1, a.samples)):
@@ -228,7 +198,8 @@ def node_main(argv: list[str] | None = None) -> int:
         if not a.no_flight:
             # After the last sample, as on one host: the recorder says where the ranks stand
             # as the last stacks do. The channel is a Unix socket: asked here, on the node.
-            out["flights"] = _flights([r["pid"] for r in ranks])
+            asked = flight.ask_all([r["pid"] for r in ranks])
+            out["flights"] = {str(pid): got for pid, got in asked.items()}
     except Exception as e:  # reported to the controller, which names this node
         out["error"] = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
     print(json.dumps(out), flush=True)

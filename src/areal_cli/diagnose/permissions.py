@@ -59,101 +59,124 @@ class TracerInfo:
 
 
 def problems(tracer: TracerInfo, targets: list[TargetInfo]) -> list[Problem]:
-    """Everything that will stop py-spy from reading these targets (pure: no system calls)."""
-    found: list[Problem] = []
-    has_cap = bool(tracer.cap_effective >> CAP_SYS_PTRACE & 1)
-    scope = tracer.ptrace_scope
+    """Everything that will stop py-spy from reading these targets (pure: no system calls).
+    The rules are tables: Yama's first (one refusal there is the whole answer: the kernel
+    checks it before anything else), then the others, each adding what it finds."""
+    for rule in _YAMA_RULES:
+        found = rule(tracer, targets)
+        if found is not None:
+            return [found]
+    return [p for rule in _RULES if (p := rule(tracer, targets)) is not None]
 
-    if scope == 3:
-        found.append(
-            Problem(
-                "ptrace_scope",
-                "kernel.yama.ptrace_scope is 3: ptrace is disabled for everyone on this host",
-                "3 cannot be lowered while the system runs: set kernel.yama.ptrace_scope = 0 in "
-                "/etc/sysctl.d/10-ptrace.conf and reboot",
-            )
-        )
-        return found
-    if scope == 2 and not has_cap:
-        found.append(
-            Problem(
-                "ptrace_scope",
-                "kernel.yama.ptrace_scope is 2: only processes with CAP_SYS_PTRACE may attach",
-                f"run as root: {SUDO_RERUN}  (or: sudo sysctl -w kernel.yama.ptrace_scope=0)",
-            )
-        )
-        return found
-    if scope == 1 and not has_cap:
-        outside = tuple(t.pid for t in targets if not t.is_descendant)
-        if outside:
-            found.append(
-                Problem(
-                    "ptrace_scope",
-                    "kernel.yama.ptrace_scope is 1: only a process's ancestors may attach to "
-                    "it, and these ranks were not started by this command",
-                    "sudo sysctl -w kernel.yama.ptrace_scope=0 (keep it with "
-                    "'kernel.yama.ptrace_scope = 0' in /etc/sysctl.d/10-ptrace.conf), "
-                    f"or run as root: {SUDO_RERUN}",
-                    outside,
-                )
-            )
-            return found
 
-    if not has_cap:
-        other = tuple(t.pid for t in targets if t.uid is not None and t.uid != tracer.euid)
-        if other:
-            found.append(
-                Problem(
-                    "other_user",
-                    "these processes belong to another user, and attaching to them needs "
-                    "CAP_SYS_PTRACE",
-                    f"run as their user, or as root: {SUDO_RERUN}",
-                    other,
-                )
-            )
-        stronger = tuple(
-            t.pid
-            for t in targets
-            if t.uid == tracer.euid
-            and t.cap_permitted is not None
-            and t.cap_permitted & ~tracer.cap_effective
-        )
-        if stronger:
-            if tracer.in_container or tracer.euid == 0:
-                fix = (
-                    "start the container with CAP_SYS_PTRACE: docker run --cap-add SYS_PTRACE "
-                    '(Kubernetes: securityContext.capabilities.add: ["SYS_PTRACE"]), or run '
-                    "`areal doctor hang` from the host"
-                )
-            else:
-                fix = f"run as root: {SUDO_RERUN}"
-            found.append(
-                Problem(
-                    "no_cap_sys_ptrace",
-                    "this process lacks CAP_SYS_PTRACE and the targets hold capabilities it "
-                    "does not, so the kernel refuses to let it read them",
-                    fix,
-                    stronger,
-                )
-            )
+def _has_cap(tracer: TracerInfo) -> bool:
+    return bool(tracer.cap_effective >> CAP_SYS_PTRACE & 1)
 
-    if tracer.pyspy_version is not None:
-        ceiling = pyspy_max_python(tracer.pyspy_version)
-        too_new = tuple(
-            t.pid for t in targets if t.python is not None and ceiling and t.python > ceiling
+
+def _scope_3(tracer: TracerInfo, targets: list[TargetInfo]) -> Problem | None:
+    if tracer.ptrace_scope != 3:
+        return None
+    return Problem(
+        "ptrace_scope",
+        "kernel.yama.ptrace_scope is 3: ptrace is disabled for everyone on this host",
+        "3 cannot be lowered while the system runs: set kernel.yama.ptrace_scope = 0 in "
+        "/etc/sysctl.d/10-ptrace.conf and reboot",
+    )
+
+
+def _scope_2(tracer: TracerInfo, targets: list[TargetInfo]) -> Problem | None:
+    if tracer.ptrace_scope != 2 or _has_cap(tracer):
+        return None
+    return Problem(
+        "ptrace_scope",
+        "kernel.yama.ptrace_scope is 2: only processes with CAP_SYS_PTRACE may attach",
+        f"run as root: {SUDO_RERUN}  (or: sudo sysctl -w kernel.yama.ptrace_scope=0)",
+    )
+
+
+def _scope_1(tracer: TracerInfo, targets: list[TargetInfo]) -> Problem | None:
+    if tracer.ptrace_scope != 1 or _has_cap(tracer):
+        return None
+    outside = tuple(t.pid for t in targets if not t.is_descendant)
+    if not outside:
+        return None
+    return Problem(
+        "ptrace_scope",
+        "kernel.yama.ptrace_scope is 1: only a process's ancestors may attach to "
+        "it, and these ranks were not started by this command",
+        "sudo sysctl -w kernel.yama.ptrace_scope=0 (keep it with "
+        "'kernel.yama.ptrace_scope = 0' in /etc/sysctl.d/10-ptrace.conf), "
+        f"or run as root: {SUDO_RERUN}",
+        outside,
+    )
+
+
+def _other_user(tracer: TracerInfo, targets: list[TargetInfo]) -> Problem | None:
+    if _has_cap(tracer):
+        return None
+    other = tuple(t.pid for t in targets if t.uid is not None and t.uid != tracer.euid)
+    if not other:
+        return None
+    return Problem(
+        "other_user",
+        "these processes belong to another user, and attaching to them needs CAP_SYS_PTRACE",
+        f"run as their user, or as root: {SUDO_RERUN}",
+        other,
+    )
+
+
+def _stronger(tracer: TracerInfo, targets: list[TargetInfo]) -> Problem | None:
+    """Same-user targets whose permitted capabilities are not a subset of the tracer's."""
+    if _has_cap(tracer):
+        return None
+    stronger = tuple(
+        t.pid
+        for t in targets
+        if t.uid == tracer.euid
+        and t.cap_permitted is not None
+        and t.cap_permitted & ~tracer.cap_effective
+    )
+    if not stronger:
+        return None
+    if tracer.in_container or tracer.euid == 0:
+        fix = (
+            "start the container with CAP_SYS_PTRACE: docker run --cap-add SYS_PTRACE "
+            '(Kubernetes: securityContext.capabilities.add: ["SYS_PTRACE"]), or run '
+            "`areal doctor hang` from the host"
         )
-        if too_new:
-            py = max(t.python for t in targets if t.python is not None)
-            found.append(
-                Problem(
-                    "pyspy_version",
-                    f"py-spy {'.'.join(map(str, tracer.pyspy_version))} cannot read Python "
-                    f"{py[0]}.{py[1]} (it knows up to {ceiling[0]}.{ceiling[1]})",
-                    "upgrade py-spy in the environment areal runs from: pip install -U py-spy",
-                    too_new,
-                )
-            )
-    return found
+    else:
+        fix = f"run as root: {SUDO_RERUN}"
+    return Problem(
+        "no_cap_sys_ptrace",
+        "this process lacks CAP_SYS_PTRACE and the targets hold capabilities it "
+        "does not, so the kernel refuses to let it read them",
+        fix,
+        stronger,
+    )
+
+
+def _pyspy_too_old(tracer: TracerInfo, targets: list[TargetInfo]) -> Problem | None:
+    if tracer.pyspy_version is None:
+        return None
+    ceiling = pyspy_max_python(tracer.pyspy_version)
+    too_new = tuple(
+        t.pid for t in targets if t.python is not None and ceiling and t.python > ceiling
+    )
+    if not too_new:
+        return None
+    py = max(t.python for t in targets if t.python is not None)
+    return Problem(
+        "pyspy_version",
+        f"py-spy {'.'.join(map(str, tracer.pyspy_version))} cannot read Python "
+        f"{py[0]}.{py[1]} (it knows up to {ceiling[0]}.{ceiling[1]})",
+        "upgrade py-spy in the environment areal runs from: pip install -U py-spy",
+        too_new,
+    )
+
+
+# Each rule: the Problem it finds, or None.
+_YAMA_RULES = (_scope_3, _scope_2, _scope_1)
+_RULES = (_other_user, _stronger, _pyspy_too_old)
 
 
 def pyspy_max_python(version: tuple[int, ...]) -> tuple[int, int] | None:

@@ -27,9 +27,11 @@ from dataclasses import asdict, dataclass, field
 from html import escape
 from pathlib import Path
 
-from areal_cli.diagnose import collectives, stacks
+from areal_cli import procs, settings
+from areal_cli.diagnose import collectives, remote_call, stacks
 from areal_cli.diagnose.targets import Job
 from areal_cli.errors import UsageError
+from areal_cli.registry import open_registry
 
 STRAGGLER_RATIO = 1.5  # compute between collectives vs the median of the other ranks
 MIN_WAIT_SHARE = 0.2  # the others must spend this much in collectives
@@ -81,7 +83,7 @@ def record(
     out = Path(out_dir)
     output_dir(out)
     timing: dict = {}
-    if job.scheduler_job_id:
+    if job.on_other_nodes:
         targets, timing = _record_on_nodes(job, out, duration=duration, rate=rate,
                                            native=native, on_progress=on_progress)  # fmt: skip
     else:
@@ -184,15 +186,13 @@ def _record_on_nodes(
     and written under `out` as rankN-NODE.*; a node that gives none is an error per rank."""
     import threading
 
-    from areal_cli.diagnose import remote
-
     t0 = time.monotonic()
     start = time.time() + job.lead + 0.5  # every node starts recording at one moment
     argv = ["profile", "--duration", f"{duration:g}", "--rate", str(rate),
             "--start", f"{start:.3f}"] + (["--native"] if native else [])  # fmt: skip
     got: dict = {}
     worker = threading.Thread(
-        target=lambda: got.update(remote.on_nodes(job, argv, timeout=duration + 60.0)),
+        target=lambda: got.update(remote_call.on_nodes(job, argv, timeout=duration + 60.0)),
         daemon=True,
     )
     worker.start()
@@ -213,7 +213,7 @@ def _record_on_nodes(
                 t.error = answer.get("error") or why or "no profile came back"
             else:
                 path = out / f"{_stem(t)}.speedscope.json"
-                path.write_bytes(remote.unpack(answer["speedscope"]))
+                path.write_bytes(remote_call.unpack(answer["speedscope"]))
                 finish(t, path, rate)
             targets.append(t)
         for (n, pid), r in known.items():
@@ -324,11 +324,8 @@ def job_servers(job: Job) -> list[int]:
     """Pids of the inference servers on this host that the job's ranks were given
     (AREAL_LLM_SERVER_ADDRS), from the registry the ranks use. Empty when none is known, and
     for a cluster job, whose rank pids are their nodes' and mean nothing here."""
-    if job.scheduler_job_id:
+    if job.on_other_nodes:
         return []
-    from areal_cli import procs, settings
-    from areal_cli.registry import open_registry
-
     env: dict[str, str] = {}
     for r in job.ranks:
         try:

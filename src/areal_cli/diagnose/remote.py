@@ -16,80 +16,29 @@ memory     "rows": one per rank (rss, CUDA allocator, cgroup), "host": the node'
 diverge    "answers": pid -> the rank's answer to --op (a channel request), or
            {"channel_error": why, "kind": ...}; --gap S asks twice, S seconds apart ("again")
 
-The caller's side (`on_nodes`) runs it on every node and hands back each node's JSON, or why
-the node gave none. Files come back inside the JSON: the caller writes them under its own
---out, which need not be visible from the nodes.
+The caller's side (diagnose.remote_call) runs it on every node and hands back each node's
+JSON, or why the node gave none. Files come back inside the JSON: the caller writes them under
+its own --out, which need not be visible from the nodes.
 """
 
 from __future__ import annotations
 
-import base64
-import gzip
+import argparse
 import json
 import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
-from areal_cli.diagnose.targets import Job
-from areal_cli.errors import UsageError
-
-# A recorded profile or snapshot larger than this stays on its node (named in the error).
-MAX_FILE = 48 << 20
-
-
-def pack(data: bytes) -> str:
-    return base64.b64encode(gzip.compress(data, compresslevel=3)).decode()
-
-
-def unpack(text: str) -> bytes:
-    return gzip.decompress(base64.b64decode(text))
-
-
-# -- the caller's side -----------------------------------------------------------------------
-
-
-def on_nodes(
-    job: Job, argv: list[str], timeout: float, per_node: dict[str, list[str]] | None = None
-) -> dict[str, tuple[dict | None, str | None]]:
-    """node -> (its JSON answer, why there is none) of `remote <argv>` run on every node of the
-    cluster job at once, through its scheduler (Job.reach: Scheduler.run_on_nodes)."""
-    if job.reach is None:
-        raise UsageError(f"{job.label}: its scheduler gives no way to reach its nodes")
-
-    def command(node: str) -> list[str]:
-        out = [sys.executable, "-m", "areal_cli.diagnose.remote", *argv]
-        if job.nodes.get(node):
-            out += ["--pids", ",".join(map(str, job.nodes[node]))]
-        if job.marker:
-            out += ["--marker", job.marker]
-        return out + list((per_node or {}).get(node, []))
-
-    got = job.reach(job.scheduler_job_id, {n: command(n) for n in job.nodes}, timeout)
-    out: dict[str, tuple[dict | None, str | None]] = {}
-    for node in job.nodes:
-        stdout, why = got.get(node, (None, f"node {node} was not reached"))
-        try:
-            data = json.loads((stdout or "").strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            out[node] = (None, why or f"node {node} answered nothing")
-            continue
-        if not isinstance(data, dict):
-            out[node] = (None, f"node {node} answered {str(data)[:80]!r}")
-        elif data.get("error"):
-            out[node] = (data, f"node {node}: {data['error']}")
-        else:
-            out[node] = (data, None)
-    return out
-
+from areal_cli.diagnose import memory, nodes, profile
+from areal_cli.diagnose.remote_call import MAX_FILE, pack
+from areal_cli.worker import channel
 
 # -- the node's side -------------------------------------------------------------------------
 
 
 def _profile(a, ranks: list[dict]) -> dict:
-    import tempfile
-    from pathlib import Path
-
-    from areal_cli.diagnose import profile
-
     pause = a.start - time.time()
     if pause > 0:
         time.sleep(min(pause, 30.0))
@@ -110,11 +59,6 @@ def _profile(a, ranks: list[dict]) -> dict:
 
 
 def _memory(a, ranks: list[dict]) -> dict:
-    import tempfile
-    from pathlib import Path
-
-    from areal_cli.diagnose import memory
-
     rep = memory.gather_ranks([(r["rank"], r["pid"]) for r in ranks], "")
     out: dict = {"rows": [r.__dict__ for r in rep.ranks], "host": rep.host,
                  "cgroups": rep.cgroups}  # fmt: skip
@@ -136,10 +80,6 @@ def _memory(a, ranks: list[dict]) -> dict:
 
 
 def _diverge(a, ranks: list[dict]) -> dict:
-    from concurrent.futures import ThreadPoolExecutor
-
-    from areal_cli.worker import channel
-
     args: dict = {}
     if a.step is not None:
         args["step"] = a.step
@@ -165,10 +105,6 @@ def _diverge(a, ranks: list[dict]) -> dict:
 
 
 def node_main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    from areal_cli.diagnose import nodes
-
     ap = argparse.ArgumentParser(prog="python -m areal_cli.diagnose.remote")
     ap.add_argument("what", choices=("profile", "memory", "diverge"))
     ap.add_argument("--pids", default="")

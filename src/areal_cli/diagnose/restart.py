@@ -25,7 +25,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from areal_cli.diagnose import why_kinds
+from areal_cli import logfiles
+from areal_cli.diagnose import why, why_kinds
+from areal_cli.errors import ArealError
+from areal_cli.files import private_dir
 
 RESTART_ON = ("infra", "any")
 ENV = "AREAL_RESTART"  # the restart a trainer runs in (1, 2, ...); absent in the first run
@@ -95,10 +98,6 @@ def append_log(run_dir: str | Path, decision: Decision) -> dict:
 def archive_logs(log_dir: str | Path, attempt: int) -> None:
     """Move a failed attempt's rank, torchrun and watchdog logs to attempt-<n>/ of the log
     folder: the next attempt writes its own, and its failure is diagnosed from those alone."""
-    from areal_cli import logfiles
-    from areal_cli.errors import ArealError
-    from areal_cli.files import private_dir
-
     log_dir = Path(log_dir)
     dest = None
     for label, path in logfiles.select_logs(log_dir).items():
@@ -114,8 +113,6 @@ def archive_logs(log_dir: str | Path, attempt: int) -> None:
 def diagnose(log_dir: str | Path, torchrun_logs=(), exit_what: str = "") -> Failure:
     """The failure of the attempt that just ended, from its logs: the library call behind
     `areal doctor why`. `exit_what`: how the launcher ended, for when the logs name nothing."""
-    from areal_cli.diagnose import why
-
     _rank, _code, rep = why.first_failure(log_dir, torchrun_logs, kernel=why.read_kernel())
     return from_report(rep, log_dir, exit_what)
 
@@ -177,7 +174,5 @@ def _short_where(where: str) -> str:
 
 
 def _last_line(path: Path) -> str | None:
-    from areal_cli import logfiles
-
     lines = [x.strip() for x in logfiles.tail(path, 5) if x.strip()]
     return lines[-1] if lines else None

@@ -50,16 +50,18 @@ _DUMPS = ("Frame", "ThreadStack", "Dump", "parse_pyspy_json", "with_source")
 def __getattr__(name: str):
     # stacks.Dump and the others, from the module that holds them (imported on first use).
     if name in _DUMPS:
-        from areal_cli.diagnose import dumps
-
-        return getattr(dumps, name)
+        return getattr(_dumps(), name)
     raise AttributeError(f"module 'areal_cli.diagnose.stacks' has no attribute {name!r}")
 
 
-def _new_dump(*args, **kwargs) -> Dump:
-    from areal_cli.diagnose.dumps import Dump
+def _dumps():
+    from areal_cli.diagnose import dumps
 
-    return Dump(*args, **kwargs)
+    return dumps
+
+
+def _new_dump(*args, **kwargs) -> Dump:
+    return _dumps().Dump(*args, **kwargs)
 
 
 def _replace(obj, **changes):
@@ -69,9 +71,7 @@ def _replace(obj, **changes):
 
 
 def _parse(text: str) -> list[ThreadStack]:
-    from areal_cli.diagnose.dumps import parse_pyspy_json
-
-    return parse_pyspy_json(text)
+    return _dumps().parse_pyspy_json(text)
 
 
 # --------------------------------------------------------------------------- py-spy itself
@@ -133,26 +133,17 @@ def dump(
 ) -> Dump:
     state, ids = _proc_status(pid)
     ns = pid_namespace(pid, ids)
-    argv = [pyspy, "dump", "--json", "--pid", str(pid)]
-    before: dict[int, str] = {}
     # A stopped process cannot be paused by ptrace (py-spy fails "Failed to get stack traces"),
     # and needs no pausing: it does not run, so reading it as it runs is exact.
     stopped = state == "T"
-    if stopped:
-        argv.append("--nonblocking")
-        native = False
-    if ns is not None:
-        if native:
-            argv = _in_namespace(pid, ns, argv)
-            if isinstance(argv, str):
-                return _new_dump(pid, error=argv, error_kind="namespace", taken_at=time.time())
-        else:
-            # Read before py-spy stops the threads: what py-spy would have read itself.
-            before = thread_states(pid, ns.values())
-    if native:
-        argv.append("--native")
-    if show_locals:
-        argv.append("--locals")
+    native = native and not stopped
+    before: dict[int, str] = {}
+    if ns is not None and not native:
+        # Read before py-spy stops the threads: what py-spy would have read itself.
+        before = thread_states(pid, ns.values())
+    argv = _dump_argv(pid, ns, pyspy, stopped=stopped, native=native, show_locals=show_locals)
+    if isinstance(argv, str):
+        return _new_dump(pid, error=argv, error_kind="namespace", taken_at=time.time())
     start = time.monotonic()
     taken_at = time.time()
     try:
@@ -170,6 +161,34 @@ def dump(
             pid, error=f"cannot run py-spy: {e}", error_kind="failed", taken_at=taken_at
         )
     elapsed = time.monotonic() - start
+    return _read_dump(pid, res, ns, before, stopped=stopped, taken_at=taken_at, elapsed=elapsed)
+
+
+def _dump_argv(
+    pid: int, ns: dict[int, int] | None, pyspy: str, *, stopped: bool, native: bool,
+    show_locals: bool,
+) -> list[str] | str:  # fmt: skip
+    """py-spy's command line for one dump, or why it cannot be run (a native dump of a process
+    in another PID namespace without the tools to enter it)."""
+    argv = [pyspy, "dump", "--json", "--pid", str(pid)]
+    if stopped:
+        argv.append("--nonblocking")
+    if ns is not None and native:
+        argv = _in_namespace(pid, ns, argv)
+        if isinstance(argv, str):
+            return argv
+    if native:
+        argv.append("--native")
+    if show_locals:
+        argv.append("--locals")
+    return argv
+
+
+def _read_dump(
+    pid: int, res, ns: dict[int, int] | None, before: dict[int, str], *, stopped: bool,
+    taken_at: float, elapsed: float,
+) -> Dump:  # fmt: skip
+    """The dump py-spy's finished run gives: its threads (by our thread ids), or its error."""
     if res.returncode != 0 or not res.stdout.strip():
         kind = classify_error(res.stderr, pid)
         message = _first_error_line(res.stderr) or f"py-spy exited with {res.returncode}"
@@ -394,33 +413,9 @@ def _to_our_ids(
     return out
 
 
-def dump_many(
-    pids: Iterable[int],
-    *,
-    pyspy: str,
-    native: bool = False,
-    show_locals: bool = False,
-    timeout: float = DEFAULT_TIMEOUT,
-    previous: dict[int, Dump] | None = None,
-    workers: int | None = None,
-    on_done: Callable[[Dump], None] | None = None,
-    counters: bool = True,
-) -> dict[int, Dump]:
-    """Dump every pid, `workers` py-spy processes at a time (default: `default_workers`).
-    With `previous` (the last sample), a process none of whose Python threads ran since is
-    not dumped again. `counters=False`: no sample follows, so the scheduler counters that
-    would tell it what ran meanwhile are not read after the dump."""
-    return start_many(
-        pids,
-        pyspy=pyspy,
-        native=native,
-        show_locals=show_locals,
-        timeout=timeout,
-        previous=previous,
-        workers=workers,
-        on_done=on_done,
-        counters=counters,
-    ).wait()
+def dump_many(pids: Iterable[int], **options) -> dict[int, Dump]:
+    """Dump every pid and wait for them all: `start_many`'s options, `start_many(...).wait()`."""
+    return start_many(pids, **options).wait()
 
 
 class Pending:
@@ -493,9 +488,12 @@ def start_many(
     on_done: Callable[[Dump], None] | None = None,
     counters: bool = True,
 ) -> Pending:
-    """`dump_many` without waiting: the py-spy processes start now, and the caller's thread
-    is free meanwhile (the doctor checks permissions and imports what judges the dumps while
-    they run)."""
+    """Dump every pid, `workers` py-spy processes at a time (default: `default_workers`),
+    without waiting: the py-spy processes start now, and the caller's thread is free meanwhile
+    (the doctor checks permissions and imports what judges the dumps while they run); `wait`
+    on the result returns the dumps. With `previous` (the last sample), a process none of whose
+    Python threads ran since is not dumped again. `counters=False`: no sample follows, so the
+    scheduler counters that would tell it what ran meanwhile are not read after the dump."""
     pids = list(dict.fromkeys(pids))
     out: dict[int, Dump] = {}
     todo = iter(pids)

@@ -1,6 +1,7 @@
-"""Which processes are the ranks of a job: from pids (a launcher expands to its workers), from
-a job record, or every torchrun/areal job of this user on this host. `resolve` is the one way
-in; another source of ranks (a rank table in the registry) plugs in there.
+"""Which processes are the ranks of a job: from pids (a launcher expands to its workers), or
+every torchrun/areal job of this user on this host (`resolve`); a job named by its record is
+diagnose.job_ranks's, on the `Tree` of processes read here. A `Job` carries its own way to
+reach its nodes when they are a cluster's (`reach`, handed in by whoever knows its scheduler).
 
 A rank is the topmost Python process carrying `RANK` in its environment: torchrun's workers.
 Their own children (DataLoader workers, compile workers) inherit `RANK` and are skipped.
@@ -25,7 +26,6 @@ from areal_cli.errors import UsageError
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from pathlib import Path
 
 RANK_ENV = (
     "RANK",
@@ -196,8 +196,8 @@ class Job(_Record):
         scheduler_job_id: str | None = None,
         nodes: dict[str, list[int]] | None = None,  # node -> rank pids (or none known)
         marker: str | None = None,
-        # How to run the doctor's sampler on those nodes (Scheduler.run_on_nodes); None:
-        # Slurm's srun --overlap, as diagnose.nodes does by itself.
+        # How to run a command on those nodes, handed in by whoever knows the job's scheduler
+        # (its run_on_nodes): reach(job_id, {node: argv}, timeout) -> {node: (stdout, why)}.
         reach: Callable | None = None,
         lead: float = 0.5,  # seconds ahead for every node to start at one moment (node_start_s)
     ) -> None:
@@ -205,6 +205,21 @@ class Job(_Record):
         self.scheduler_job_id = scheduler_job_id
         self.nodes = {} if nodes is None else nodes
         self.marker, self.reach, self.lead = marker, reach, lead
+
+    @property
+    def on_other_nodes(self) -> bool:
+        """Whether its ranks run on the nodes of a cluster job (read there, through `reach`)
+        rather than on this host."""
+        return bool(self.scheduler_job_id)
+
+    def run_on_nodes(
+        self, command: Callable[[str], list[str]], timeout: float
+    ) -> dict[str, tuple[str | None, str | None]]:
+        """node -> (stdout, why there is none) of command(node) run on every node at once."""
+        if self.reach is None:
+            raise UsageError(f"{self.label}: its scheduler gives no way to reach its nodes")
+        got = self.reach(self.scheduler_job_id, {n: command(n) for n in self.nodes}, timeout)
+        return {n: got.get(n, (None, f"node {n} was not reached")) for n in self.nodes}
 
     @property
     def world_size(self) -> int:
@@ -215,7 +230,7 @@ class Job(_Record):
         """Ranks that should run on this host: all of them on one node, this node's block of
         LOCAL_WORLD_SIZE ranks on several; every rank of a cluster job (every node is read)."""
         ws = self.world_size
-        if self.scheduler_job_id:
+        if self.on_other_nodes:
             return list(range(ws))
         lws = max((r.local_world_size or 0 for r in self.ranks), default=0)
         if not lws or lws >= ws:
@@ -246,7 +261,7 @@ class Job(_Record):
             **(
                 {"scheduler_job_id": self.scheduler_job_id,
                  "nodes": {str(r.rank): r.node for r in self.ranks}}
-                if self.scheduler_job_id else {}
+                if self.on_other_nodes else {}
             ),
         }  # fmt: skip
 
@@ -254,30 +269,27 @@ class Job(_Record):
 # --------------------------------------------------------------------------- resolution
 
 
-def resolve(
-    pids: list[int] | None = None, job: str | None = None, home: str | Path | None = None
-) -> list[Job]:
-    """Turn what the user named into jobs with their rank processes; UsageError (exit 2) when
-    a target does not exist (or exits while being read), is not Python, or holds no ranks."""
-    if home is not None:
-        from areal_cli import settings
-
-        settings.home(home)  # a --home that names no folder is refused even when unused
+def resolve(pids: list[int] | None = None) -> list[Job]:
+    """Turn the pids the user named (none: every job of this user here) into jobs with their
+    rank processes; UsageError (exit 2) when a target does not exist (or exits while being
+    read), is not Python, or holds no ranks. A job named by its record: `from_record`."""
     try:
-        if job:
-            return [_from_job(job, home)]
         if pids:
             return _from_pids(pids)
         return _discover()
     except NoSuchProcess as e:
-        raise UsageError(
-            f"pid {e.pid} exited while its ranks were being found",
-            hint="the job is ending or restarting: `areal ps` or its launcher's log says which",
-        ) from None
+        raise exited(e) from None
+
+
+def exited(e: NoSuchProcess) -> UsageError:
+    return UsageError(
+        f"pid {e.pid} exited while its ranks were being found",
+        hint="the job is ending or restarting: `areal ps` or its launcher's log says which",
+    )
 
 
 def _from_pids(pids: list[int]) -> list[Job]:
-    tree = _Tree()
+    tree = Tree()
     groups: dict[tuple, Job] = {}
     for pid in dict.fromkeys(pids):
         proc = _process(pid)
@@ -314,7 +326,7 @@ def _from_pids(pids: list[int]) -> list[Job]:
                 f"pid {pid} ({_describe(proc)}) is not a Python process",
                 hint="give the pid of a training rank or of its launcher (torchrun, areal train)",
             )
-        rank = ranks[0] if ranks else _rank_proc(proc)
+        rank = ranks[0] if ranks else rank_proc(proc)
         if rank is None:
             raise UsageError(f"pid {pid} exited while being read", hint="nothing left to dump")
         key = ("env", *rank.job_key()) if any(rank.job_key()) else ("pids",)
@@ -326,7 +338,7 @@ def _from_pids(pids: list[int]) -> list[Job]:
         if not j.label:
             pids_text = ",".join(str(r.pid) for r in j.ranks)
             j.label = f"pids {pids_text}"
-        j.ranks = _number(j.ranks)
+        j.ranks = number(j.ranks)
         out.append(j)
     return out
 
@@ -334,105 +346,18 @@ def _from_pids(pids: list[int]) -> list[Job]:
 def under(roots: list[int], label: str, name: str | None = None) -> Job | None:
     """The ranks below these processes (a launcher's torchrun), as one job; None when none
     runs (yet, or any more)."""
-    tree = _Tree()
+    tree = Tree()
     ranks = tree.topmost_ranks({pid for root in roots for pid in tree.descendants(root)})
     if not ranks:
         return None
-    return Job(label=label, ranks=_number(ranks), launcher_pid=roots[0] if roots else None,
+    return Job(label=label, ranks=number(ranks), launcher_pid=roots[0] if roots else None,
                name=name)  # fmt: skip
-
-
-def _from_job(name: str, home: str | Path | None) -> Job:
-    from areal_cli import schedulers, settings
-
-    parts = name.strip("/").split("/")
-    if len(parts) != 2 or not all(parts):
-        raise UsageError(f"job name {name!r} is not EXPERIMENT/TRIAL", hint="see `areal ps`")
-    found = schedulers.known_jobs(*parts, home=settings.home(home))
-    jobs = [(s, s.describe(h)) for s, h in found]
-    jobs = [(s, j) for s, j in jobs if j is not None]
-    if not jobs:
-        raise UsageError(
-            f"no job {name} under {settings.home(home)}",
-            hint="`areal ps --all` lists the jobs this home knows",
-        )
-    # The training job if there is one: that is where ranks live.
-    sched, job = next(((s, j) for s, j in jobs if j.handle.kind != "serve"), jobs[0])
-    if sched.reaches_nodes and job.handle.job_id:
-        return _from_cluster_job(job)
-    from areal_cli import procs
-
-    tree = _Tree()
-    roots = [p for p in job.pids if procs.pid_alive(p)]
-    candidates = {pid for root in roots for pid in tree.descendants(root)}
-    if job.marker:
-        candidates.update(p.pid for p in procs.find_marked(job.marker))
-    ranks = tree.topmost_ranks(candidates)
-    if not ranks:
-        raise UsageError(
-            f"job {job.handle.name} has no live rank processes on this host (state: {job.state})",
-            hint=f"`areal ps` shows its state; `areal logs {job.handle.name}` shows why it ended",
-        )
-    launcher = next((p for p in job.pids[1:] if procs.pid_alive(p)), None)
-    return Job(label=f"job {job.handle.name}", ranks=_number(ranks), launcher_pid=launcher,
-               name=job.handle.name)  # fmt: skip
-
-
-def _from_cluster_job(job) -> Job:
-    """A job of a cluster scheduler: its ranks from the registry's rank table (node and pid of
-    each); nodes the table says nothing of are searched for the job's ranks there. Its
-    scheduler says how to reach them (run_on_nodes) and what to call the job."""
-    from areal_cli import schedulers
-    from areal_cli.errors import ArealError
-    from areal_cli.registry import open_registry
-
-    name = job.handle.name
-    sched = schedulers.get(job.handle.scheduler)
-    what = f"{sched.label or sched.name} job {job.handle.job_id}"
-    if job.state not in ("running", "starting", "stopping"):
-        raise UsageError(
-            f"job {name} ({what}) is {job.state}: no ranks to dump",
-            hint=f"`areal ps --all` shows its state; `areal logs {name}` shows why it ended",
-        )
-    try:
-        table = open_registry(job.registry).ranks(job.handle.experiment, job.handle.trial)
-    except (ArealError, OSError):
-        table = []
-    table = [r for r in table if r.marker == job.marker and r.node]
-    ranks = [
-        RankProc(pid=r.pid, rank=r.rank, local_rank=r.local_rank, world_size=r.world_size,
-                 local_world_size=None, cmdline=[], node=r.node)
-        for r in table
-    ]  # fmt: skip
-    nodes: dict[str, list[int]] = {}
-    for r in ranks:
-        nodes.setdefault(r.node, []).append(r.pid)
-    world = max((r.world_size for r in ranks), default=0)
-    if not ranks or len(ranks) < world:
-        # Not every rank recorded (a script that never called worker.connect()): look on
-        # every node of the job for its processes.
-        nodes = {n: [] for n in job.nodes}
-    if not nodes:
-        raise UsageError(
-            f"job {name} ({what}) has no nodes yet (state: {job.state})",
-            hint="`areal ps` shows whether it still waits in the queue",
-        )
-    return Job(
-        label=f"job {name} ({what}, nodes {','.join(nodes)})",
-        ranks=sorted(ranks, key=lambda r: r.rank),
-        name=name,
-        scheduler_job_id=job.handle.job_id,
-        nodes=nodes,
-        marker=job.marker,
-        reach=sched.run_on_nodes,
-        lead=sched.node_start_s,
-    )
 
 
 def _discover() -> list[Job]:
     """Every torchrun/areal job of this user on this host, plus orphaned ranks whose launcher
     died (grouped by their rendezvous address)."""
-    tree = _Tree()
+    tree = Tree()
     mine = {os.getpid(), *tree.ancestors(os.getpid())}
     uid = os.getuid()
     launchers: list[Proc] = []
@@ -457,7 +382,7 @@ def _discover() -> list[Job]:
     for p in sorted(top, key=lambda q: q.pid):
         ranks = tree.ranks_under(p.pid)
         if ranks:
-            found.append(Job(label=launcher_label(p), ranks=_number(ranks), launcher_pid=p.pid))
+            found.append(Job(label=launcher_label(p), ranks=number(ranks), launcher_pid=p.pid))
             claimed.update(r.pid for r in ranks)
     loose = {
         p.pid
@@ -470,7 +395,7 @@ def _discover() -> list[Job]:
             orphans.setdefault(r.job_key(), []).append(r)
     for key, ranks in orphans.items():
         found.append(
-            Job(label=f"orphaned ranks (launcher gone, port {key[1]})", ranks=_number(ranks))
+            Job(label=f"orphaned ranks (launcher gone, port {key[1]})", ranks=number(ranks))
         )
     if not found:
         from areal_cli import settings
@@ -482,7 +407,7 @@ def _discover() -> list[Job]:
     return found
 
 
-class _Tree:
+class Tree:
     """Every process on this host and its parent, from one pass over /proc/*/stat (psutil's
     process_iter would build a Process object for each: several times slower on a busy
     node). `Proc` reads the few processes looked at closely."""
@@ -545,7 +470,7 @@ class _Tree:
                     continue
             except ProcError:
                 continue
-            r = _rank_proc(p)
+            r = rank_proc(p)
             if r is not None and r.rank is not None:
                 with_rank[pid] = r
         out = [
@@ -576,7 +501,7 @@ def is_launcher(p: Proc) -> bool:
     return False
 
 
-def _is_spawner(p: Proc, ranks: list[RankProc], tree: _Tree) -> bool:
+def _is_spawner(p: Proc, ranks: list[RankProc], tree: Tree) -> bool:
     """A parent not known as a launcher stands for the ranks below it only when they are of
     one rendezvous and it is not init or a process this doctor runs under (a shell, tmux,
     sshd: everything of the user's is below those)."""
@@ -634,7 +559,7 @@ def _process(pid: int) -> Proc:
         raise UsageError(f"pid {pid} cannot be inspected by this user") from None
 
 
-def _rank_proc(p: Proc) -> RankProc | None:
+def rank_proc(p: Proc) -> RankProc | None:
     try:
         env = p.environ()
         cmd = p.cmdline()
@@ -654,7 +579,7 @@ def _rank_proc(p: Proc) -> RankProc | None:
     )
 
 
-def _number(ranks: list[RankProc]) -> list[RankProc]:
+def number(ranks: list[RankProc]) -> list[RankProc]:
     """Ranks without RANK (plain Python processes named by pid) get numbers after the others."""
     taken = {r.rank for r in ranks if r.rank is not None}
     nxt = 0

@@ -55,6 +55,7 @@ from areal_cli.diagnose.flight import (
     ops_disagree,
     sizes_disagree,
 )
+from areal_cli.diagnose.jsonfields import json_fields
 from areal_cli.diagnose.stacks import Dump, Frame, ThreadStack
 
 KINDS = hang_rules.KINDS
@@ -128,21 +129,8 @@ class RankResult:
         return self.progress in ("moving", "slow")
 
     def to_json(self) -> dict:
-        return {
-            "rank": self.rank,
-            "pid": self.pid,
-            "state": self.state,
-            "collective": self.collective,
-            "op": self.op,
-            "frame": self.frame.to_json() if self.frame else None,
-            "thread": self.thread,
-            "progress": self.progress,
-            "wakeups": self.wakeups,
-            "collective_threads": self.collective_threads,
-            "error": self.error,
-            "flight": self.flight.to_json() if self.flight else None,
-            "stack": [f.to_json() for f in self.stack],
-        }
+        return json_fields(self, "rank pid state collective op frame thread progress wakeups "
+                                 "collective_threads error flight stack")  # fmt: skip
 
 
 @dataclass
@@ -154,13 +142,7 @@ class Group:
     stack: tuple[Frame, ...]
 
     def to_json(self) -> dict:
-        return {
-            "ranks": self.ranks,
-            "state": self.state,
-            "collective": self.collective,
-            "frame": self.frame.to_json() if self.frame else None,
-            "stack": [f.to_json() for f in self.stack],
-        }
+        return json_fields(self, "ranks state collective frame stack")
 
 
 @dataclass
@@ -208,11 +190,7 @@ class Analysis:
     verdict: Verdict | None  # None when no rank could be read at all
 
     def to_json(self) -> dict:
-        return {
-            "ranks": [r.to_json() for r in self.ranks],
-            "groups": [g.to_json() for g in self.groups],
-            "verdict": self.verdict.to_json() if self.verdict else None,
-        }
+        return json_fields(self, "ranks groups verdict")
 
 
 # --------------------------------------------------------------------------- frames

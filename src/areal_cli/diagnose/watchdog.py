@@ -46,7 +46,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from areal_cli import files, logfiles
+from areal_cli.diagnose import hang, nodes, stacks, targets
 from areal_cli.errors import ArealError
+from areal_cli.worker import channel
 
 ACTIONS = ("observe", "fail")
 # The verdict on a job whose ranks move while a server they use refuses every request: retries
@@ -138,8 +140,6 @@ def _main_thread(pid: int) -> tuple[int, int] | None:
 def look(pid: int) -> tuple:
     """This rank's evidence now: ("reports", count, step intervals) or ("movement", ticks,
     switches), or ("gone",)."""
-    from areal_cli.worker import channel
-
     path = channel.find(pid)
     if path is not None:
         try:
@@ -372,8 +372,6 @@ class Watchdog:
                 seen = self._looks() or {}
 
     def _diagnose(self, job, idle_s: float, last_progress: float) -> Stall:
-        from areal_cli.diagnose import hang
-
         kind, odd, summary, reached, reports = None, [], "", {}, None
         try:
             reports = hang.diagnose([job], torch_analyzer=True)
@@ -403,8 +401,6 @@ class Watchdog:
         """The stall's bundle (the doctor's report, the servers' stacks, the logs' last lines)
         and what could not be written, each part tried on its own: a failed write (a full
         disk) is said, never raised."""
-        from areal_cli.diagnose import hang
-
         try:
             bundle = new_bundle(self.log_dir)
         except Exception as e:
@@ -424,8 +420,6 @@ class Watchdog:
         return bundle, "; ".join(dict.fromkeys(errors)) or None
 
     def _keep_servers(self, bundle: Path) -> None:
-        from areal_cli.diagnose import stacks
-
         pids = [p for p in self.server_pids() if not _gone(p)]
         if not pids:
             return
@@ -563,8 +557,6 @@ def watch_nodes(
     stall the hang doctor samples every node through `reach`, and `servers` (node -> pids of the
     job's servers there) get their stacks kept in the bundle. `nodes` is asked at every look
     (a job's nodes are known once it runs)."""
-    from areal_cli.diagnose import targets
-
     py = python or sys.executable
     limit = 15.0
 
@@ -621,16 +613,12 @@ def watch_nodes(
 
 def _node_looks(marker: str) -> dict:
     """This node's side of a look: the job's ranks here and their looks."""
-    from areal_cli.diagnose import nodes
-
     ranks = nodes._ranks_here([], marker)
     return {"node": os.environ.get("AREAL_NODE_NAME"),
             "looks": {str(r["pid"]): list(look(r["pid"])) for r in ranks}}  # fmt: skip
 
 
 def _node_dump(pids: list[int]) -> dict:
-    from areal_cli.diagnose import stacks
-
     try:
         dumps = stacks.dump_many(pids, pyspy=stacks.require_pyspy())
     except Exception as e:

@@ -23,9 +23,11 @@ import signal as _signal
 import time as _time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
-from areal_cli.diagnose import why_kinds
+from areal_cli import logfiles
+from areal_cli.diagnose import logread, why_kinds
 from areal_cli.diagnose.why_kinds import SECONDARY_KINDS, WEAK_KINDS, classify  # noqa: F401
 
 # One log's events (why_parse), kept importable from here: callers know this module.
@@ -171,10 +173,12 @@ def record_events(
     message: str | None,
     servers: Sequence[tuple] = (),
     time: float | None = None,
-    scheduler: str | None = None,
+    killed_by: str | None = None,
 ) -> list[Event]:
     """What a job record says: who stopped the job (areal stop, Ctrl-C, Slurm), and which
-    server exited. `servers`: (label, exit code[, address])."""
+    server exited. `servers`: (label, exit code[, address]). `killed_by`: who ends a job that
+    its record calls killed, as the job's scheduler declares (its `killed_by`): the caller
+    holds the scheduler, so the doctor imports none."""
     out: list[Event] = []
     msg = (message or "").strip()
     low = msg.lower()
@@ -186,8 +190,8 @@ def record_events(
                          order=(-1, 0)))  # fmt: skip
     elif slurm and slurm.group(1) in _SLURM_ENDS:
         sender = _SLURM_ENDS[slurm.group(1)]
-    elif state == "killed" and _killed_by(scheduler):
-        sender = _killed_by(scheduler)
+    elif state == "killed" and killed_by:
+        sender = killed_by
     elif low.startswith("watchdog:"):
         # --watchdog-action fail ended a job that stopped progressing: that stall is the
         # cause, the teardown's signals follow from it.
@@ -216,19 +220,6 @@ def record_events(
             out.append(Event("server_died", f"{label}{at} exited ({describe_code(code)})",
                              label, exit_code=code, order=(-1, 1)))  # fmt: skip
     return out
-
-
-def _killed_by(scheduler: str | None) -> str | None:
-    """Who ends a job that its record calls killed, as the job's scheduler declares."""
-    if not scheduler:
-        return None
-    from areal_cli import schedulers
-    from areal_cli.errors import UsageError
-
-    try:
-        return schedulers.scheduler_class(scheduler).killed_by
-    except UsageError:
-        return None
 
 
 _SLURM_ENDS = {
@@ -469,10 +460,6 @@ def label_rank(label: str) -> int | None:
 def parse_files(paths: Sequence[tuple[str, Path]]) -> list[Event]:
     """Events of several logs (label, path): each log's order kept, logs in the given order.
     Each log is read whole, in bounded memory (diagnose.logread)."""
-    from functools import partial
-
-    from areal_cli.diagnose import logread
-
     events: list[Event] = []
     for k, (label, path) in enumerate(paths):
         try:
@@ -502,8 +489,6 @@ def diagnose_dir(
     """A job's log folder (every server, rank, torchrun and supervisor log, on every node
     of a shared folder), plus what its record says. `kind` (serve, train, serve+train): only
     that job's own logs, where a trial's serving and training jobs share the folder."""
-    from areal_cli import logfiles
-
     logs = [*logfiles.select_logs(Path(log_dir)).items(), *extra]
     if kind is not None:
         logs = [(label, p) for label, p in logs if _belongs(label, kind)]
@@ -531,8 +516,6 @@ def first_failure(
 ) -> tuple[int | None, int | None, Report]:
     """(rank, its exit code, the report) of a training job that just failed: what the
     failure report of `areal train` names. `torchrun_logs` outside the folder count too."""
-    from areal_cli import logfiles
-
     known = {str(p) for p in logfiles.select_logs(Path(log_dir)).values()}
     extra = [(Path(p).stem, Path(p)) for p in torchrun_logs if str(p) not in known]
     rep = diagnose_dir(log_dir, kind="train", extra=extra, kernel=kernel)

@@ -17,6 +17,7 @@ import time as _time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from areal_cli.diagnose.jsonfields import json_fields
 from areal_cli.diagnose.why_kinds import SECONDARY_KINDS, classify
 from areal_cli.diagnose.why_lines import exception_line, filler, split_line
 
@@ -96,25 +97,10 @@ class Event:
         return f"{who}: {self.kind}: {self.message}{at}"
 
     def to_json(self) -> dict:
-        out = {
-            "rank": self.rank,
-            "source": self.source,
-            "kind": self.kind,
-            "message": self.message,
-            "where": self.where,
-        }
-        extra = {
-            "line": self.line,
-            "path": self.path,
-            "time": self.time,
-            "exit_code": self.exit_code,
-            "sender": self.sender,
-            "node": self.node,
-            "ranks": self.ranks or None,
-            "caused_by": self.caused_by,
-            "hint": self.hint,
-        }
-        out.update({k: v for k, v in extra.items() if v is not None})
+        out = json_fields(self, "rank source kind message where")
+        extra = json_fields(self, "line path time exit_code sender node ranks caused_by hint")
+        # What the event does not know (None, no other rank) is left out.
+        out.update({k: v for k, v in extra.items() if v is not None and v != []})
         return out
 
 
@@ -328,79 +314,106 @@ def _child_block(stream, i) -> tuple[list[str], int]:
     return block, i
 
 
+@dataclass
+class _Tb:
+    """One traceback as read, with its chained ones."""
+
+    frames: list[tuple[str, int, str]] = field(default_factory=list)  # (file, line, function)
+    messages: list[str] = field(default_factory=list)  # each exception line, outermost last
+    detail: list[str] = field(default_factory=list)  # its lines as the log has them
+    child: list[str] = field(default_factory=list)  # torchrun's failures block after it
+
+
 def _traceback(ctx: _Ctx) -> tuple[Event | None, int]:
     """A Python traceback (with its chained ones) from stream[i]: one event, and where the
     scan goes on. Read as pasted: a header in mid-line, frames without their header, code
     lines that lost their indentation (the exception is the `Name: message` line after the
     last frame), an abridged `[...]`, a log that ends inside it; Ray's RayTaskError(X) line
     is followed by the remote task's frames, and those are where it failed."""
-    stream, i = ctx.stream, ctx.i
+    tb, i = _read_traceback(ctx.stream, ctx.i)
+    return _traceback_event(ctx, tb, i)
+
+
+def _read_traceback(stream, i: int) -> tuple[_Tb, int]:
+    """Its frames, exception lines and detail from stream[i], and where it ends."""
     n = len(stream)
-    frames: list[tuple[str, int, str]] = []
-    messages: list[str] = []
-    detail: list[str] = []
-    context = ""
-    first = stream[i][1]
-    if _TB in first:
-        context = first[: first.index(_TB)].strip().rstrip(":").strip()
-    rank = ctx.rank
-    child: list[str] = []
+    tb = _Tb()
     while i < n:
         text = stream[i][1]
         if _TB in text:
-            detail.append(text)
+            tb.detail.append(text)
             i += 1
         elif _RAY_TASK.match(text.strip()):
-            messages.append(text.strip())
-            detail.append(text)
-            frames = []  # the driver's ray.get only carried it: the remote frames follow
+            tb.messages.append(text.strip())
+            tb.detail.append(text)
+            tb.frames = []  # the driver's ray.get only carried it: the remote frames follow
             i += 1
-        message = None
-        last = "frame"
-        while i < n:
-            text = stream[i][1]
-            m = _FRAME.match(text)
-            if m:
-                frames.append((m.group(1), int(m.group(2)), m.group(3)))
-                last = "frame"
-            elif text.strip() == "" or filler(text):
-                pass
-            elif text[:1] in (" ", "\t") and last in ("frame", "code"):
-                last = "code"
-            elif _TB in text or text.startswith(_CHAIN):
-                break  # a new traceback: this one was cut before its exception
-            elif exception_line(text) or last != "frame":
-                message = text.strip()
-                break
-            else:
-                last = "code"  # the code line under a frame, its indentation lost
-            detail.append(text)
-            i += 1
+        message, i = _read_frames(stream, i, tb)
         if message is None:
             break
-        detail.append(stream[i][1])
+        tb.detail.append(stream[i][1])
         i += 1
         if _RAY_TASK.match(message):
-            messages.append(message)
-            frames = []
+            tb.messages.append(message)
+            tb.frames = []
             continue  # the remote task's frames and its exception follow
-        messages.append(message)
+        tb.messages.append(message)
         if "ChildFailedError" in message:
-            child, i = _child_block(stream, i)  # torchrun's report follows
+            tb.child, i = _child_block(stream, i)  # torchrun's report follows
             break
-        # A chained exception: "During handling ..." then another traceback.
-        j = i
+        chained = _chained(stream, i)
+        if chained is None:
+            break
+        i = chained
+    return tb, i
+
+
+def _read_frames(stream, i: int, tb: _Tb) -> tuple[str | None, int]:
+    """Frames (into `tb`) up to the exception's line: (that line, its index), or (None, where
+    the frames end) when the traceback is cut before its exception."""
+    last = "frame"
+    while i < len(stream):
+        text = stream[i][1]
+        m = _FRAME.match(text)
+        if m:
+            tb.frames.append((m.group(1), int(m.group(2)), m.group(3)))
+            last = "frame"
+        elif text.strip() == "" or filler(text):
+            pass
+        elif text[:1] in (" ", "\t") and last in ("frame", "code"):
+            last = "code"
+        elif _TB in text or text.startswith(_CHAIN):
+            break  # a new traceback: this one was cut before its exception
+        elif exception_line(text) or last != "frame":
+            return text.strip(), i
+        else:
+            last = "code"  # the code line under a frame, its indentation lost
+        tb.detail.append(text)
+        i += 1
+    return None, i
+
+
+def _chained(stream, i: int) -> int | None:
+    """Where a chained exception's traceback starts ("During handling ..." then another
+    traceback) after stream[i], else None."""
+    n = len(stream)
+    j = i
+    while j < n and stream[j][1].strip() == "":
+        j += 1
+    if j < n and stream[j][1].startswith(_CHAIN):
+        j += 1
         while j < n and stream[j][1].strip() == "":
             j += 1
-        if j < n and stream[j][1].startswith(_CHAIN):
-            j += 1
-            while j < n and stream[j][1].strip() == "":
-                j += 1
-            if j < n and _TB in stream[j][1]:
-                i = j
-                continue
-        break
-    line = ctx.lineno
+        if j < n and _TB in stream[j][1]:
+            return j
+    return None
+
+
+def _traceback_event(ctx: _Ctx, tb: _Tb, i: int) -> tuple[Event | None, int]:
+    """The event of a traceback read from stream[ctx.i] up to stream[i]."""
+    first = ctx.stream[ctx.i][1]
+    context = first[: first.index(_TB)].strip().rstrip(":").strip() if _TB in first else ""
+    frames, messages, detail = tb.frames, tb.messages, tb.detail
     cut = False
     if not messages:
         if not frames or not (context or _TB in first):
@@ -412,11 +425,11 @@ def _traceback(ctx: _Ctx) -> tuple[Event | None, int]:
     called = _CALLED.search(messages[-1])
     if called or _launcher_only(frames):
         # A launcher's traceback only carries a child's failure: never the root cause.
-        ev = Event("child_failed", _shorten(messages[-1]), ctx.source, rank, line=line,
-                   time=ctx.time, detail=detail[-40:])  # fmt: skip
+        ev = Event("child_failed", _shorten(messages[-1]), ctx.source, ctx.rank,
+                   line=ctx.lineno, time=ctx.time, detail=detail[-40:])  # fmt: skip
         if called:
             _called_process(ev, called)
-        _child_failed(ev, child)
+        _child_failed(ev, tb.child)
         return ev, i
     kind = classify(messages, frames)
     uf = user_frame(frames)
@@ -424,16 +437,16 @@ def _traceback(ctx: _Ctx) -> tuple[Event | None, int]:
         kind=kind,
         message=_shorten(messages[-1]),
         source=ctx.source,
-        rank=rank,
+        rank=ctx.rank,
         where=f"{uf[0]}:{uf[1]}" if uf else None,
-        line=line,
+        line=ctx.lineno,
         detail=detail[-40:],
         time=ctx.time,
         cut=cut,
     )
     if kind == "child_failed":
         ev.where = None  # torchrun's own frames: not where anything went wrong
-        _child_failed(ev, child)
+        _child_failed(ev, tb.child)
     if kind in OOM_KINDS:
         ev.hint = MEMORY_HINT
     return ev, i

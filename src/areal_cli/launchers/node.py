@@ -16,6 +16,8 @@ import socket
 import time
 from pathlib import Path
 
+from areal_cli import procs, settings
+
 NODE_ADDR = "{node_addr}"  # in a plan's host and argv: this node's address, found on the node
 
 
@@ -64,8 +66,6 @@ def free_port(host: str) -> int:
     base (AREAL_PORT_BASE), from a random point in its first thousand, so that the runners
     of one job starting at once on a node seldom try the same port."""
     import random
-
-    from areal_cli import procs, settings
 
     start = settings.port_base(procs.DEFAULT_PORT_BASE) + random.randrange(1000)
     return procs.free_ports(1, host if host not in ("", "0.0.0.0") else "", start=start)[0]

@@ -44,10 +44,14 @@ import threading
 import time
 from pathlib import Path
 
+from areal_cli import backends, control, files, procs, request_errors, settings
+from areal_cli.backends import FALLBACK, protocol_sglang
+from areal_cli.errors import UsageError
 from areal_cli.files import private_dir
-from areal_cli.health import PROBE_TIMEOUT, first_request, probe_health
+from areal_cli.health import PROBE_TIMEOUT, _connect_host, first_request, probe_health
 from areal_cli.launchers import node
 from areal_cli.logfiles import fresh_log
+from areal_cli.registry import ServerEntry, open_registry, server_id
 
 EXIT_USAGE = 2
 EXIT_TIMEOUT = 3
@@ -263,8 +267,6 @@ class Replica:
             return
         path = Path(run_dir) / f"server-{self.p['index']}.ready"
         info = {"addr": self.entry.addr, "node": self.entry.node, "pid": self.entry.pid}
-        from areal_cli import files
-
         try:
             files.write_atomic(path, json.dumps(info))
         except (OSError, files.DiskFull) as e:
@@ -286,8 +288,6 @@ class Replica:
     def _ready_path(self) -> str:
         """The backend's readiness route (SGLang's /ready answers at once where its /health
         takes a second; backends/protocol_sglang.py READINESS_PATH), else the plan's."""
-        from areal_cli import backends
-
         backend = backends.BACKENDS.get(self.p.get("backend") or "")
         return backend.ready_path if backend else self.p["health_path"]
 
@@ -307,9 +307,6 @@ class Replica:
         return failed
 
     def _register(self, host: str, port: int) -> None:
-        from areal_cli import procs, settings
-        from areal_cli.registry import ServerEntry, open_registry, server_id
-
         where = _advertised_host(host)
         plan = self.plan
         self.registry = open_registry(plan["registry"])
@@ -340,8 +337,6 @@ class Replica:
     def _publish(self, what: str) -> bool | None:
         """True once registered; False when the registry failed for now (it may be down for
         a while: keep serving, try again); None when it refuses us for good."""
-        from areal_cli.errors import UsageError
-
         try:
             # Signed with the job's key: discovery hands the key only to entries it signed.
             if not self._unless_stopped(self.registry.register, self.entry, ttl=self.ttl,
@@ -413,14 +408,8 @@ class Replica:
     def _errors(self, host: str, port: int, timeout: float) -> dict | None:
         """The server's requests answered with errors lately: the hf server counts its own;
         an engine's are read from its access log, which this runner writes."""
-        from areal_cli import backends, request_errors
-
         engine = backends.find(self.p.get("backend"))
         if engine is not None and engine.built_in:
-            from areal_cli import control
-            from areal_cli.backends import protocol_sglang
-            from areal_cli.health import _connect_host
-
             got = control._call(f"{_connect_host(host)}:{port}", "GET",
                                 protocol_sglang.SERVER_INFO_PATHS[0], self.key, timeout)  # fmt: skip
             return request_errors.from_server_info(got[1]) if got and got[0] == 200 else None
@@ -429,10 +418,6 @@ class Replica:
         return self._access.read()
 
     def _paused(self, host: str, port: int, timeout: float) -> bool:
-        from areal_cli import control
-        from areal_cli.backends import FALLBACK
-        from areal_cli.health import _connect_host
-
         backend = self.p.get("backend") or FALLBACK
         return control.paused(f"{_connect_host(host)}:{port}", backend, self.key, timeout) is True
 
@@ -556,8 +541,6 @@ def _advertised_host(host: str) -> str:
 def replica_processes(marker: str, index: int) -> list:
     """The processes of one replica of a job (its server and the server's helpers), found by
     their environment: a runner killed by SIGKILL leaves its server to init."""
-    from areal_cli import procs
-
     out = []
     for p in procs.find_marked(marker):
         try:
@@ -579,8 +562,6 @@ class _EngineVersion:
     )
 
     def __init__(self, python: str, backend: str | None):
-        from areal_cli import backends
-
         b = backends.find(backend)
         self._value: str | None = None
         self._thread = None

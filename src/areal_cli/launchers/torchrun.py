@@ -24,6 +24,10 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from areal_cli.files import private_dir
+from areal_cli.launchers import node
+from areal_cli.logfiles import fresh_log
+
 # torchrun --tee prefixes each worker line with "[<role><local_rank>]:", or with the template.
 RANK_PREFIX = re.compile(rb"^\[(?:default|rank)(\d+)\]:")
 LINE_PREFIX_ENV = {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:"}
@@ -122,9 +126,6 @@ def run_node(
     import signal
     import subprocess
 
-    from areal_cli.files import private_dir
-    from areal_cli.logfiles import fresh_log
-
     log_dir = private_dir(log_dir)
     files: dict[str, int] = {}
 
@@ -181,8 +182,6 @@ def main(args: list[str] | None = None) -> int:
     import json
     import os
     import sys
-
-    from areal_cli.launchers import node
 
     ap = argparse.ArgumentParser(prog="python -m areal_cli.launchers.torchrun")
     ap.add_argument("--log-dir", required=True)

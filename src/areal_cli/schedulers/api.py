@@ -15,10 +15,18 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
 
+from areal_cli import logfiles
+from areal_cli.errors import UsageError
+from areal_cli.plain import Frozen, Plain, plain
+
+# typing's TYPE_CHECKING without importing typing (5 ms of `areal ps`): type checkers take the
+# name as true.
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from pathlib import Path
+    from typing import Any
+
     from areal_cli.spec import JobSpec
 
 # Job states, the same words for every scheduler.
@@ -31,8 +39,6 @@ LineFn = Callable[[str, str], None]  # (label, line): "server-0", "rank-1", ...
 
 def parse_name(name: str) -> tuple[str, str]:
     """'E/T' → (E, T); bad spellings are usage errors."""
-    from areal_cli.errors import UsageError
-
     parts = name.strip("/").split("/")
     if len(parts) != 2 or not all(parts):
         raise UsageError(
@@ -42,13 +48,20 @@ def parse_name(name: str) -> tuple[str, str]:
     return parts[0], parts[1]
 
 
-@dataclass(frozen=True)
-class Handle:
-    scheduler: str
-    experiment: str
-    trial: str
-    kind: str  # "serve" | "train" | "serve+train"
-    job_id: str | None = None  # the scheduler's own id (a Slurm job id)
+class Handle(Frozen):
+    """One job, named by its E/T and kind."""
+
+    __slots__ = ("scheduler", "experiment", "trial", "kind", "job_id")
+
+    def __init__(
+        self,
+        scheduler: str,
+        experiment: str,
+        trial: str,
+        kind: str,  # "serve" | "train" | "serve+train"
+        job_id: str | None = None,  # the scheduler's own id (a Slurm job id)
+    ):
+        self._freeze(scheduler, experiment, trial, kind, job_id)
 
     @property
     def name(self) -> str:
@@ -60,73 +73,98 @@ class Handle:
         )
 
 
-@dataclass(frozen=True)
-class RunOpt:
+class RunOpt(Frozen):
     """One option a scheduler declares for itself (TorchX's runopts): set with
     `--scheduler-opt NAME=VALUE`, in a job YAML's `scheduler_opts:` mapping, or by its
     `flag` where one is kept for it (Slurm's --partition). `kind`: str, posint or list."""
 
-    name: str
-    kind: str
-    help: str
-    flag: str | None = None
+    __slots__ = ("name", "kind", "help", "flag")
+
+    def __init__(self, name: str, kind: str, help: str, flag: str | None = None):
+        self._freeze(name, kind, help, flag)
 
 
-@dataclass
-class Request:
+class Request(Plain):
     """A job ready to start: what `--dry-run` shows. `plan` is the scheduler's own form
     (local: processes with argv, env, GPUs, ports; slurm: that plus the sbatch script)."""
 
-    scheduler: str
-    spec: JobSpec
-    plan: Any
+    __slots__ = ("scheduler", "spec", "plan")
+
+    def __init__(self, scheduler: str, spec: JobSpec, plan: Any):
+        self.scheduler, self.spec, self.plan = scheduler, spec, plan
 
     def to_json(self) -> dict:
         out = self.plan.to_json() if hasattr(self.plan, "to_json") else dict(self.plan)
         return {"scheduler": self.scheduler, **out}
 
 
-@dataclass
-class ServerStatus:
-    addr: str
-    healthy: bool
-    pid: int | None = None
-    gpus: list[int] = field(default_factory=list)
-    node: str | None = None
-    paused: bool = False
-    exit_code: int | None = None
-    # Requests answered with errors in the last minute, and the last one (request_errors).
-    errors: dict | None = None
-    restarts: int = 0  # how often its runner started it again after it exited
+class ServerStatus(Plain):
+    """One server of a job as `areal ps` shows it."""
+
+    __slots__ = ("addr", "healthy", "pid", "gpus", "node", "paused", "exit_code", "errors",
+                 "restarts")  # fmt: skip
+
+    def __init__(
+        self,
+        addr: str,
+        healthy: bool,
+        pid: int | None = None,
+        gpus: list[int] | None = None,
+        node: str | None = None,
+        paused: bool = False,
+        exit_code: int | None = None,
+        # Requests answered with errors in the last minute, and the last one (request_errors).
+        errors: dict | None = None,
+        restarts: int = 0,  # how often its runner started it again after it exited
+    ):
+        self.addr, self.healthy, self.pid, self.node = addr, healthy, pid, node
+        self.gpus = [] if gpus is None else gpus
+        self.paused, self.exit_code = paused, exit_code
+        self.errors, self.restarts = errors, restarts
 
 
-@dataclass
-class JobStatus:
+class JobStatus(Plain):
     """What `areal ps` shows of one job."""
 
-    handle: Handle
-    state: str
-    host: str | None = None
-    nodes: list[str] = field(default_factory=list)
-    pids: list[int] = field(default_factory=list)
-    servers: list[ServerStatus] = field(default_factory=list)
-    started: float = 0.0
-    log_dir: str | None = None
-    alloc: str | None = None
-    model: str | None = None
-    message: str | None = None
-    exit_code: int | None = None
-    ranks_alive: int | None = None
-    world_size: int | None = None
-    reason: str | None = None  # why a queued job waits (Slurm's reason)
-    marker: str | None = None  # what every process of the job carries in AREAL_JOB_MARKER
-    registry: str | None = None  # where its servers and ranks are registered
-    watchdog: dict | None = None  # the last stall the watchdog diagnosed (its verdict, bundle)
-    # Each restart of the trainers and each refusal, in order (diagnose.restart.Decision).
-    restarts: list[dict] = field(default_factory=list)
+    __slots__ = ("handle", "state", "host", "nodes", "pids", "servers", "started", "log_dir",
+                 "alloc", "model", "message", "exit_code", "ranks_alive", "world_size", "reason",
+                 "marker", "registry", "watchdog", "restarts")  # fmt: skip
+
+    def __init__(
+        self,
+        handle: Handle,
+        state: str,
+        host: str | None = None,
+        nodes: list[str] | None = None,
+        pids: list[int] | None = None,
+        servers: list[ServerStatus] | None = None,
+        started: float = 0.0,
+        log_dir: str | None = None,
+        alloc: str | None = None,
+        model: str | None = None,
+        message: str | None = None,
+        exit_code: int | None = None,
+        ranks_alive: int | None = None,
+        world_size: int | None = None,
+        reason: str | None = None,  # why a queued job waits (Slurm's reason)
+        marker: str | None = None,  # what every process of the job carries in AREAL_JOB_MARKER
+        registry: str | None = None,  # where its servers and ranks are registered
+        watchdog: dict | None = None,  # the last stall the watchdog diagnosed (its verdict, bundle)
+        # Each restart of the trainers and each refusal, in order (diagnose.restart.Decision).
+        restarts: list[dict] | None = None,
+    ):
+        self.handle, self.state, self.host, self.started = handle, state, host, started
+        self.nodes = [] if nodes is None else nodes
+        self.pids = [] if pids is None else pids
+        self.servers = [] if servers is None else servers
+        self.log_dir, self.alloc, self.model, self.message = log_dir, alloc, model, message
+        self.exit_code, self.ranks_alive, self.world_size = exit_code, ranks_alive, world_size
+        self.reason, self.marker, self.registry = reason, marker, registry
+        self.watchdog = watchdog
+        self.restarts = [] if restarts is None else restarts
 
     def to_json(self) -> dict:
-        d = asdict(self)
+        d = plain(self)
         h = d.pop("handle")
         return {
             "name": self.handle.name,
@@ -139,20 +177,26 @@ class JobStatus:
         }
 
 
-@dataclass
-class StopResult:
-    name: str
-    was_running: bool
-    killed: int = 0  # processes signalled, or Slurm jobs cancelled
-    deregistered: int = 0
-    cancelled: str | None = None  # the cluster job cancelled ("Slurm job 123")
-    # What could not be stopped or removed, each in words (why, and what becomes of it).
-    left: list[str] = field(default_factory=list)
-    # Something of the job still runs (a process that outlived SIGKILL): `areal stop` exits 3.
-    running: bool = False
+class StopResult(Plain):
+    """What `areal stop` did to one job."""
 
-    def to_json(self) -> dict:
-        return asdict(self)
+    __slots__ = ("name", "was_running", "killed", "deregistered", "cancelled", "left", "running")
+
+    def __init__(
+        self,
+        name: str,
+        was_running: bool,
+        killed: int = 0,  # processes signalled, or Slurm jobs cancelled
+        deregistered: int = 0,
+        cancelled: str | None = None,  # the cluster job cancelled ("Slurm job 123")
+        # What could not be stopped or removed, each in words (why, and what becomes of it).
+        left: list[str] | None = None,
+        # Something of the job still runs (a process that outlived SIGKILL): `areal stop` exits 3.
+        running: bool = False,
+    ):
+        self.name, self.was_running, self.killed = name, was_running, killed
+        self.deregistered, self.cancelled, self.running = deregistered, cancelled, running
+        self.left = [] if left is None else left
 
 
 class Stopped(Exception):
@@ -213,7 +257,6 @@ class Scheduler(ABC):
     def find(self, experiment: str, trial: str, kind: str | None = None) -> list[Handle]:
         """This scheduler's jobs of E/T (of `kind` if given), live ones first."""
 
-    @abstractmethod
     def log_iter(
         self,
         handle: Handle,
@@ -222,7 +265,17 @@ class Scheduler(ABC):
         follow: bool = False,
         lines: int = 50,
     ) -> Iterator[tuple[str, str]]:
-        """(label, line) of the job's logs: the last `lines` of each, then new ones."""
+        """(label, line) of the job's logs: the last `lines` of each, then new ones until the
+        job ends. A scheduler whose logs are files this host reads says where they are
+        (`log_files`); one whose logs live elsewhere overrides this."""
+        name, log_dir, live, check_every = self.log_files(handle)
+        return logfiles.job_lines(name, log_dir, role, index, follow=follow, lines=lines,
+                                  live=live, check_every=check_every)  # fmt: skip
+
+    def log_files(self, handle: Handle) -> tuple[str, Path, Callable[[], bool], float]:
+        """The job's name, its log folder, whether it still runs (asked while following) and
+        how often to ask (0: at every pause of its files)."""
+        raise NotImplementedError(f"{type(self).__name__} reads no log files: override log_iter")
 
     @abstractmethod
     def cancel(self, handle: Handle, timeout: float = 30.0) -> StopResult: ...
@@ -252,6 +305,4 @@ class Scheduler(ABC):
         """node → (stdout, why not) of a short command run on each named node of a job of
         this scheduler, all at once: how the doctor reaches the nodes of a cluster job. A
         scheduler whose jobs run on this host only has none."""
-        from areal_cli.errors import UsageError
-
         raise UsageError(f"the {self.name} scheduler cannot reach other nodes")

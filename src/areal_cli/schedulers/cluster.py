@@ -8,16 +8,18 @@ reach of its nodes, its `doctor check` rows.
 A cluster scheduler is a package with three modules this base imports when it needs them:
 
     planner.py  plan(spec, home, registry, check_packages=..., **options) → its Plan
-    job.py      submit(plan, home, world_size) → record; Watch(plan, rec, home, stop, ...)
-                with until_ready, until_end, close; refresh(recs, home)
+    job.py      submit(plan, home, world_size) → record; follow(plan, rec, home, stop, ...)
+                → the job's lifecycle.Lifecycle over its Transport; refresh(recs, home)
     records.py  its JobRecords' load, all_records, root (job_records.py)
 
 Below it, what those job modules share: the private plan file, the slot lock and the refusal
-of a second job in a slot, a runner's exit code, the replicas that ended, taking them out of
-discovery, following a job's logs, leaving nothing of an ended job behind, and ClusterWatch,
-the part of each Watch that is alike (ready files, a replica's failed start, a stop).
+of a second job in a slot, a runner's exit code, the replicas that ended, following a job's
+logs (schedulers/lifecycle.py follows one job over each scheduler's transport). What asks a
+live job's servers, takes them out of discovery and leaves nothing of an ended job behind is
+cluster_live.py, imported only for a live or an ending job.
 
-Importing this module imports no scheduler's package: `areal ps` lists every one.
+Importing this module imports no scheduler's package and nothing heavy: `areal ps` lists every
+one.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ import importlib
 import json
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-from areal_cli import backends, settings
+from areal_cli import files, logfiles, settings
 from areal_cli.errors import UsageError
 from areal_cli.schedulers.api import (
     EventFn,
@@ -40,6 +42,7 @@ from areal_cli.schedulers.api import (
     Scheduler,
     ServerStatus,
 )
+from areal_cli.schedulers.job_records import slot
 
 
 class ClusterScheduler(Scheduler):
@@ -106,7 +109,7 @@ class ClusterScheduler(Scheduler):
         rec = job.submit(plan, self.home, request.spec.world_size)
         handle = self._handle(rec)
         self._submitted(rec, on_event)
-        watch = job.Watch(
+        watch = job.follow(
             plan, rec, self.home, self._stop, on_event,
             on_line=None if detach else on_line, on_progress=on_progress,
         )  # fmt: skip
@@ -118,7 +121,7 @@ class ClusterScheduler(Scheduler):
             return handle
         except KeyboardInterrupt:
             # Ctrl-C while a detached start waits means "never mind": the job goes too.
-            watch._cancel("interrupted while starting")
+            watch.cancel("interrupted while starting")
             raise
         finally:
             watch.close()
@@ -157,7 +160,10 @@ class ClusterScheduler(Scheduler):
         ranks_alive = world = None
         state = rec.state
         if rec.live:
-            entries, ranks, health, paused = _registered(rec)
+            # Threads and http.client: only for a live job (see cluster_live.py).
+            from areal_cli.schedulers import cluster_live
+
+            entries, ranks, health, paused = cluster_live.registered(rec)
             ended = ended_replicas(rec)
             gone = {addr for _, addr in ended.values()}
             entries = [e for e in entries if e.addr not in gone]
@@ -200,55 +206,15 @@ class ClusterScheduler(Scheduler):
 
     # -- logs -----------------------------------------------------------------------------
 
-    def log_iter(
-        self,
-        handle: Handle,
-        role: str | None = None,
-        index: int | None = None,
-        follow: bool = False,
-        lines: int = 50,
-    ) -> Iterator[tuple[str, str]]:
+    def log_files(self, handle: Handle) -> tuple[str, Path, Callable[[], bool], float]:
         """The job's log files on the shared filesystem; following ends when the job does."""
-        from areal_cli import logfiles
-
         rec = self._record(handle)
 
         def live() -> bool:
             self._statuses([rec], include_ended=True)
             return rec.live
 
-        return logfiles.job_lines(rec.name, Path(rec.log_dir), role, index, follow=follow,
-                                  lines=lines, live=live, check_every=1.0)  # fmt: skip
-
-
-def _registered(rec) -> tuple[list, list, dict[str, bool], dict[str, bool | None]]:
-    """A live job's servers and ranks in its registry (its marker's), whether each server
-    answers, and whether it is paused."""
-    from areal_cli.errors import ArealError
-    from areal_cli.registry import open_registry
-
-    try:
-        reg = open_registry(rec.registry)
-        entries = [e for e in reg.list(rec.experiment, rec.trial).servers
-                   if e.marker == rec.marker]  # fmt: skip
-        ranks = [r for r in reg.ranks(rec.experiment, rec.trial) if r.marker == rec.marker]
-    except (ArealError, OSError):
-        entries, ranks = [], []
-    health: dict[str, bool] = {}
-    paused: dict[str, bool | None] = {}
-    if entries:
-        from areal_cli import apikeys, control, discovery
-
-        held = apikeys.load(rec.api_key_file) if rec.api_key_file else None
-        key = held[1] if held and held[0] == rec.marker else None
-        if key:
-            # Anyone who writes the registry can copy an entry of ours: only those the job
-            # signed are its servers (and may be asked with its key).
-            entries = [e for e in entries if apikeys.unproven(key, e) is None]
-        health = discovery.healthy([e.addr for e in entries])
-        backend = (entries[0].backend if entries else None) or backends.FALLBACK
-        paused = control.paused_all([e.addr for e in entries], backend, key, 1.0)
-    return entries, ranks, health, paused
+        return rec.name, Path(rec.log_dir), live, 1.0
 
 
 def server_row(e, health: dict, paused: dict) -> ServerStatus:
@@ -269,8 +235,6 @@ def ended_rows(ended: dict[int, tuple[int, str | None]]) -> list[ServerStatus]:
 
 def private_file(path: Path, text: str) -> None:
     """A file only its owner reads (the plan holds the API key), created afresh."""
-    from areal_cli import files
-
     with os.fdopen(files.create_new(path), "w") as f:
         f.write(text)
 
@@ -281,16 +245,11 @@ class SlotLock:
     "started"."""
 
     def __init__(self, jobs_dir: Path, plan, verb: str):
-        from areal_cli.schedulers.job_records import slot
-
         self.path = jobs_dir / f".{slot(plan.kind)}.lock"
         self.plan, self.verb = plan, verb
 
     def __enter__(self):
         import fcntl
-
-        from areal_cli import files
-        from areal_cli.schedulers.job_records import slot
 
         settings.ensure_dir(self.path.parent)
         self.f = files.open_lock(self.path)  # the lock lives as long as the file
@@ -312,8 +271,6 @@ class SlotLock:
 def clash(plan, kind: str) -> bool:
     """Whether a live job of `kind` in the plan's trial takes the slot the plan needs (a
     serving and a training job may share a trial; a second of the same kind may not)."""
-    from areal_cli.schedulers.job_records import slot
-
     return slot(kind) == slot(plan.kind) or "serve+train" in (kind, plan.kind)
 
 
@@ -338,7 +295,8 @@ def reread(recs: list, records, home: Path) -> None:
     for rec in recs:
         fresh = records.read(records.path(home, rec.experiment, rec.trial, rec.kind))
         if fresh is not None and fresh.job_id == rec.job_id:
-            rec.__dict__.update(fresh.__dict__)
+            for field in fresh._fields:  # a record's fields are its slots (plain.Plain)
+                setattr(rec, field, getattr(fresh, field))
 
 
 def ended_replicas(rec) -> dict[int, tuple[int, str | None]]:
@@ -362,66 +320,10 @@ def ready_addr(rec, index: int) -> str | None:
         return None
 
 
-def deregister_servers(rec, addrs: set[str]) -> int:
-    """Take the job's servers at `addrs` out of discovery (a replica killed with SIGKILL never
-    deregistered, and AReaL's reader would go on listing it). Returns the entries removed."""
-    from areal_cli.errors import ArealError
-    from areal_cli.registry import open_registry
-
-    gone = 0
-    try:
-        reg = open_registry(rec.registry)
-        for e in reg.list(rec.experiment, rec.trial, include_dead=True).servers:
-            if e.managed and e.marker == rec.marker and e.addr in addrs:
-                reg.deregister(rec.experiment, rec.trial, e.id, e.lease)
-                gone += 1
-    except (ArealError, OSError):
-        pass  # its lease or heartbeat runs out anyway
-    return gone
-
-
-def leave_nothing(rec, home: Path, records, plan_file: str, left: list[str] | None = None) -> int:
-    """An ended job: nothing of it stays in discovery, nothing of it runs on this host, what
-    its trainers left paused is resumed, the record says how it ended. Returns the registry
-    entries removed; what could not be removed is told in `left` (if given)."""
-    from areal_cli import procs
-    from areal_cli.errors import ArealError
-    from areal_cli.registry import open_registry
-
-    gone = 0
-    try:
-        gone = open_registry(rec.registry).deregister_job(rec.experiment, rec.trial, rec.marker)
-    except (ArealError, OSError) as e:
-        if left is not None:  # the entries' leases (or heartbeats) run out anyway
-            why = getattr(e, "message", None) or getattr(e, "strerror", None) or str(e)
-            left.append(f"the job's registry entries in {rec.registry} were not removed "
-                        f"({why}); they expire with their lease or heartbeat (the TTL)")  # fmt: skip
-    procs.kill_job(rec.marker, grace=3.0)  # a task the cluster lost track of, on this host
-    _resume_servers(rec, plan_file)
-    records.write(home, rec)
-    return gone
-
-
-def _resume_servers(rec, plan_file: str) -> None:
-    """What the job's trainers left paused (its plan says which servers they used)."""
-    if rec.kind == "serve":
-        return
-    from areal_cli.schedulers.common import resume_left_paused
-    from areal_cli.spec import Plan
-
-    try:
-        plan = Plan.from_json(json.loads((Path(rec.run_dir) / plan_file).read_text()))
-    except (OSError, ValueError, TypeError):
-        return
-    resume_left_paused(plan)
-
-
 def follow_logs(plan, on_line: LineFn, stop: threading.Event, trainer_roles: tuple[str, ...]):
     """Feed the job's new log lines to `on_line` until `stop`: its own roles only (a training
     job's terminal shows no serving job's lines), and of files that already exist only what the
     job writes (it starts them afresh)."""
-    from areal_cli import logfiles
-
     roles = (("server",) if plan.servers else ()) + (trainer_roles if plan.trainers else ())
     follower = logfiles.Follower(Path(plan.log_dir), history=None, roles=roles)
     for label, path in logfiles.select_logs(Path(plan.log_dir)).items():
@@ -443,103 +345,9 @@ def follow_logs(plan, on_line: LineFn, stop: threading.Event, trainer_roles: tup
     return t
 
 
-class ClusterWatch:
-    """What following one job from `areal` is alike on every cluster scheduler: the state a
-    Watch keeps, its servers' ready files, a runner's exit code, a replica that failed to
-    start (root cause first) and a stop asked of this process. Each scheduler's Watch adds
-    how its job is placed, started and ended."""
-
-    # The log roles followed in the foreground besides the servers'.
-    trainer_roles = ("rank", "torchrun", "watchdog")
-
-    def __init__(self, plan, rec, home: Path, stop: threading.Event,
-                 on_event: EventFn | None = None, on_line: LineFn | None = None,
-                 on_progress=None):  # fmt: skip
-        self.plan, self.rec, self.home, self.stop = plan, rec, home, stop
-        self.on_event = on_event or (lambda kind, info: None)
-        self.on_progress = on_progress or (lambda text: None)
-        self.run = Path(plan.run_dir)
-        self.stop_code = 130
-        self.ready: dict[int, dict] = {}
-        self.lost: set[int] = set()
-        self._follow_stop = threading.Event()
-        self._follower = None
-        if on_line is not None:
-            self._follower = follow_logs(plan, on_line, self._follow_stop, self.trainer_roles)
-
-    def close(self) -> None:
-        self._follow_stop.set()
-        if self._follower is not None:
-            self._follower.join(timeout=2)
-
-    def _cancel(self, reason: str) -> None:
-        raise NotImplementedError
-
-    def _exit_code(self, label: str) -> int | None:
-        return read_code(self.run / f"{label}.exit")
-
-    def _read_ready(self) -> None:
-        for i in range(len(self.plan.servers)):
-            if i in self.ready:
-                continue
-            try:
-                info = json.loads((self.run / f"server-{i}.ready").read_text())
-            except (OSError, ValueError):
-                continue
-            self.ready[i] = info
-            self.on_event("healthy", {"label": f"server-{i}", "addr": info["addr"],
-                                      "node": info.get("node")})  # fmt: skip
-            self.on_progress(f"{len(self.ready)}/{len(self.plan.servers)} server(s) registered")
-
-    def _fail(self, i: int) -> None:
-        """A replica ended before it was ready: the start failed, root cause first."""
-        from areal_cli.errors import EXIT_TIMEOUT, LaunchError, WaitTimeout
-        from areal_cli.schedulers.common import describe_exit, tail_text
-
-        code = self._exit_code(f"server-{i}")
-        p = self.plan.servers[i]
-        self._cancel(f"server-{i} failed while starting")
-        if code == EXIT_TIMEOUT:
-            raise WaitTimeout(
-                f"server-{i} not healthy after {self.plan.health_timeout:g}s",
-                detail=tail_text(p.log_path),
-                hint=f"raise --health-timeout for big models, or read the log: {p.log_path}",
-            )
-        raise LaunchError(
-            f"server-{i} failed while starting: {describe_exit(code)}",
-            detail=tail_text(p.log_path),
-            hint=f"full log: {p.log_path}",
-        )
-
-    def _stop_if_asked(self) -> None:
-        """A stop asked of this process (Ctrl-C, SIGTERM): the job is cancelled, Stopped."""
-        from areal_cli.schedulers.api import Stopped
-
-        if self.stop.is_set():
-            self.on_event("stopping", {"state": "stopped"})
-            self._cancel("interrupted" if self.stop_code == 130 else "terminated")
-            raise Stopped(self.stop_code)
-
-
-def servers_by_node(plan) -> dict[str, list[int]]:
-    """A job's own servers (a combined job's replicas) in the registry, by node: what its
-    watchdog samples beside the ranks."""
-    from areal_cli.registry import open_registry
-
-    out: dict[str, list[int]] = {}
-    try:
-        entries = open_registry(plan.registry).list(plan.experiment, plan.trial).servers
-    except Exception:
-        return out
-    for e in entries:
-        if e.marker == plan.marker and e.node and e.pid:
-            out.setdefault(e.node, []).append(e.pid)
-    return out
-
-
 def _restarts(rec) -> list[dict]:
     """The trainers' restarts and refusals that the job's batch side logged in its run folder
     (areal train --max-restarts)."""
-    from areal_cli.diagnose import restart
+    from areal_cli.diagnose import restart  # dataclasses: only once a cluster job is listed
 
     return restart.read_log(getattr(rec, "run_dir", None))

@@ -19,7 +19,6 @@ from areal_cli.launchers.node import NODE_ADDR
 from areal_cli.registry import Registry
 from areal_cli.schedulers.common import (
     external_servers,
-    is_loopback,
     plan_fields,
     resolve_api_key,
     script_args,
@@ -62,7 +61,7 @@ def server_role(spec: JobSpec) -> tuple[ServerRole, backends.Backend]:
     the servers: a loopback bind becomes the node's own address, found by the runner there."""
     role = spec.servers
     backend = backends.get(role.backend)
-    if is_loopback(role.host):
+    if backends.is_loopback(role.host):
         role = replace(role, host=NODE_ADDR)
     backend.check_bind(role)
     if not backend.multi_gpu_replica and role.gpus_per_replica != 1:

@@ -7,7 +7,6 @@ sees or how a failure is told, so those live here once.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import secrets
@@ -15,7 +14,8 @@ import signal
 import uuid
 from pathlib import Path
 
-from areal_cli import backends, logfiles, settings
+from areal_cli import areal_entry, backends, control, logfiles, settings
+from areal_cli.areal_entry import SPMD_ENV
 from areal_cli.launchers import torchrun
 from areal_cli.parallel import MESH_ENV
 from areal_cli.registry import Registry, open_registry
@@ -38,16 +38,11 @@ def plan_fields(spec: JobSpec, home: Path, registry: Registry) -> dict:
         registry=registry.url, marker=new_marker(spec.experiment, spec.trial), alloc=spec.alloc,
         health_timeout=spec.health_timeout, registry_ttl=settings.registry_ttl(),
         server_restarts=spec.servers.max_restarts if spec.servers else 0,
+        # The trainers' watchdog and restarts (off for a job without trainers).
+        watchdog=spec.watchdog if spec.trainer else 0.0, watchdog_action=spec.watchdog_action,
+        watchdog_auto=spec.watchdog_auto, restart_on=spec.restart_on,
+        max_restarts=spec.max_restarts if spec.trainer else 0,
     )  # fmt: skip
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def resolve_api_key(flag: str) -> str | None:
@@ -105,8 +100,6 @@ def worker_env(
     if key:
         env["AREAL_API_KEY"] = key
     if t.areal_overrides:
-        from areal_cli.areal_entry import SPMD_ENV
-
         env.update(SPMD_ENV)
     # torch's flight recorder on (the doctor joins it with the stacks). torch 2.13 reads
     # TORCH_FR_BUFFER_SIZE first and warns on every rank that the older name is deprecated, so
@@ -137,8 +130,6 @@ def areal_overrides(spec: JobSpec, backend: str, n_servers: int, registry) -> li
     """AReaL's config overrides (areal_entry.overrides) that point its trainer at the
     servers found and at our registry, where its name_resolve finds them under the same
     experiment/trial, in the form the trainer's AReaL version understands."""
-    from areal_cli import areal_entry
-
     t = spec.trainer
     return areal_entry.overrides(
         t.areal_version, backend, n_servers, t.alloc if t else "", spec.experiment, spec.trial,
@@ -153,8 +144,6 @@ def resume_left_paused(plan: Plan, timeout: float = 3.0) -> list[str]:
     """A trainer stopped mid-sync leaves the servers it used paused, and those outlive it
     when another job started them: once its ranks are gone, resume the ones that are paused.
     Returns the servers resumed."""
-    from areal_cli import control
-
     ours = {p.addr for p in plan.servers}  # stopped with this job anyway
     resumed: list[str] = []
     for t in plan.trainers:
@@ -189,7 +178,7 @@ def explain_failure(
     """(first failing rank, its exit code, what it died of, a hint, its node) for a training
     job's failure report: the same verdict as `areal doctor why` (every rank's and every
     node's log, peers' consequences set aside)."""
-    from areal_cli.diagnose import why
+    from areal_cli.diagnose import why  # the log parser: only once a training job failed
 
     rank, code, rep = why.first_failure(log_dir, torchrun_logs, kernel=why.read_kernel())
     if rank is None:

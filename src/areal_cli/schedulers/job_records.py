@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Generic, TypeVar
 
 from areal_cli import files, settings
 from areal_cli.errors import ArealWarning, UsageError
+from areal_cli.plain import Plain
 from areal_cli.schedulers.api import LIVE
 
 
@@ -59,32 +58,49 @@ def slot(kind: str) -> str:
     return "serve" if kind == "serve" else "train"
 
 
-@dataclass
-class ClusterRecord:
-    """What every cluster scheduler records of a job; each adds its own fields."""
+class ClusterRecord(Plain):
+    """What every cluster scheduler records of a job; each adds its own fields (a subclass
+    naming them in its `__slots__`, its `__init__` taking them by keyword and the rest on to
+    this one)."""
 
-    experiment: str
-    trial: str
-    kind: str
-    job_id: str
-    marker: str
-    state: str  # our words (schedulers.api LIVE / ENDED)
-    submitted: float
-    log_dir: str
-    registry: str
-    run_dir: str
-    alloc: str | None = None
-    model: str | None = None
-    replicas: int = 0
-    world_size: int = 0
-    nodes: list[str] = field(default_factory=list)
-    reason: str | None = None
-    api_key_file: str | None = None
-    message: str | None = None
-    detail: str | None = None
-    exit_code: int | None = None
-    started: float | None = None
-    updated: float = 0.0
+    __slots__ = ("experiment", "trial", "kind", "job_id", "marker", "state", "submitted",
+                 "log_dir", "registry", "run_dir", "alloc", "model", "replicas", "world_size",
+                 "nodes", "reason", "api_key_file", "message", "detail", "exit_code", "started",
+                 "updated")  # fmt: skip
+
+    def __init__(
+        self,
+        experiment: str,
+        trial: str,
+        kind: str,
+        job_id: str,
+        marker: str,
+        state: str,  # our words (schedulers.api LIVE / ENDED)
+        submitted: float,
+        log_dir: str,
+        registry: str,
+        run_dir: str,
+        alloc: str | None = None,
+        model: str | None = None,
+        replicas: int = 0,
+        world_size: int = 0,
+        nodes: list[str] | None = None,
+        reason: str | None = None,
+        api_key_file: str | None = None,
+        message: str | None = None,
+        detail: str | None = None,
+        exit_code: int | None = None,
+        started: float | None = None,
+        updated: float = 0.0,
+    ):
+        self.experiment, self.trial, self.kind, self.job_id = experiment, trial, kind, job_id
+        self.marker, self.state, self.submitted = marker, state, submitted
+        self.log_dir, self.registry, self.run_dir = log_dir, registry, run_dir
+        self.alloc, self.model, self.replicas, self.world_size = alloc, model, replicas, world_size
+        self.nodes = [] if nodes is None else nodes
+        self.reason, self.api_key_file, self.message = reason, api_key_file, message
+        self.detail, self.exit_code = detail, exit_code
+        self.started, self.updated = started, updated
 
     @property
     def name(self) -> str:
@@ -95,11 +111,10 @@ class ClusterRecord:
         return self.state in LIVE
 
 
-R = TypeVar("R")
+class JobRecords:
+    """One scheduler's records: of `record`, its ClusterRecord subclass."""
 
-
-class JobRecords(Generic[R]):
-    def __init__(self, scheduler: str, record: type[R]):
+    def __init__(self, scheduler: str, record: type[ClusterRecord]):
         self.scheduler, self.record = scheduler, record
 
     def root(self, home: Path) -> Path:
@@ -112,26 +127,28 @@ class JobRecords(Generic[R]):
     def path(self, home: Path, experiment: str, trial: str, kind: str) -> Path:
         return self.trial_dir(home, experiment, trial) / f"{slot(kind)}.json"
 
-    def write(self, home: Path, rec: R) -> None:
+    def write(self, home: Path, rec: ClusterRecord) -> None:
         rec.updated = time.time()
         write_record(self.path(home, rec.experiment, rec.trial, rec.kind),
-                     json.dumps(asdict(rec), indent=2))  # fmt: skip
+                     json.dumps(rec.to_json(), indent=2))  # fmt: skip
 
-    def read(self, p: Path) -> R | None:
+    def read(self, p: Path) -> ClusterRecord | None:
         try:
             d = read_json(p)
             return None if d is None else self.record(**d)
         except (OSError, ValueError, TypeError):
             return None
 
-    def load(self, home: Path, experiment: str, trial: str, kind: str | None = None) -> list[R]:
+    def load(
+        self, home: Path, experiment: str, trial: str, kind: str | None = None
+    ) -> list[ClusterRecord]:
         """The trial's records (of `kind` if given), live ones first."""
         kinds = [kind] if kind else ["serve", "train"]
         recs = [r for k in kinds if (r := self.read(self.path(home, experiment, trial, k)))]
         recs.sort(key=lambda r: (not r.live, r.kind == "serve", -r.submitted))
         return recs
 
-    def all_records(self, home: Path) -> list[R]:
+    def all_records(self, home: Path) -> list[ClusterRecord]:
         """Every record of this user; an empty list, fast, when the scheduler was never used
         here."""
         base = self.root(home)

@@ -26,6 +26,12 @@ import sys
 import time
 from typing import Any
 
+from aiohttp import web
+
+from areal_cli.server.app import ServerState, build_app
+from areal_cli.server.batcher import Batcher, TorchWorker
+from areal_cli.server.engine import Engine
+
 log = logging.getLogger("areal.server")
 
 KEY_ENV = "AREAL_SERVER_API_KEY"
@@ -129,12 +135,19 @@ def read_api_key(args: argparse.Namespace) -> str | None:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
+    state, torch_worker = _server_state(args)
+    runner = web.AppRunner(build_app(state), access_log=None, shutdown_timeout=1.0)
+    url = await _listen(runner, args, state)
+    if url is None:
+        return 1
+    log.info("listening at %s; loading %s", url, args.model_path)
+    code = await _load_and_serve(args, state, torch_worker, url)
+    await runner.cleanup()
+    return code
 
-    from areal_cli.server.app import ServerState, build_app
-    from areal_cli.server.batcher import Batcher, TorchWorker
-    from areal_cli.server.engine import Engine
 
+def _server_state(args: argparse.Namespace) -> tuple[ServerState, TorchWorker]:
+    """The engine (not loaded yet), its batcher and what the routes share."""
     engine = Engine(
         args.model_path,
         device=args.device,
@@ -163,7 +176,14 @@ async def serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         pause_timeout=args.pause_timeout,
     )
-    runner = web.AppRunner(build_app(state), access_log=None, shutdown_timeout=1.0)
+    return state, torch_worker
+
+
+async def _listen(
+    runner: web.AppRunner, args: argparse.Namespace, state: ServerState
+) -> str | None:
+    """Bind the port (before the model loads: /health answers 503 meanwhile); its URL, or
+    None when the address cannot be bound."""
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
     try:
@@ -171,12 +191,18 @@ async def serve(args: argparse.Namespace) -> int:
     except OSError as e:
         log.error("cannot listen on %s:%s: %s", args.host, args.port, e)
         await runner.cleanup()
-        return 1
+        return None
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    public_args["port"] = port
-    url = f"http://{_url_host(args.host)}:{port}"
-    log.info("listening at %s; loading %s", url, args.model_path)
+    state.args["port"] = port
+    return f"http://{_url_host(args.host)}:{port}"
 
+
+async def _load_and_serve(
+    args: argparse.Namespace, state: ServerState, torch_worker: TorchWorker, url: str
+) -> int:
+    """Load the model, then serve until SIGTERM or SIGINT (0) or a failed load (1); running
+    generation stops at its next step and waiting clients get an 'abort' answer."""
+    engine, batcher = state.engine, state.batcher
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -206,7 +232,6 @@ async def serve(args: argparse.Namespace) -> int:
     else:
         log.info("shutting down")
     state.ready = False
-    # Running generation stops at its next step; waiting clients get an 'abort' answer.
     await batcher.close()
     if state.updates is not None:
         state.updates.close()
@@ -215,7 +240,6 @@ async def serve(args: argparse.Namespace) -> int:
     for task in (serving, stopper):
         task.cancel()
     await asyncio.gather(serving, stopper, return_exceptions=True)
-    await runner.cleanup()
     return code
 
 

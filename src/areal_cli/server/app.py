@@ -36,7 +36,6 @@ owner (`WeightOwner`).
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import logging
 import os
@@ -47,6 +46,7 @@ from typing import Any
 
 from aiohttp import web
 
+from areal_cli.request_errors import TEXT_MAX, Counts
 from areal_cli.server import protocol
 from areal_cli.server.batcher import Batcher
 from areal_cli.server.engine import Engine, GenRequest, GenResult
@@ -152,58 +152,14 @@ class ServerState:
     owner: WeightOwner = field(default_factory=WeightOwner)
     # Tells a restarted server at the same address from the one a trainer synced before.
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    request_errors: RequestErrors = field(default_factory=lambda: RequestErrors())
+    # Its answers of the last minute: what `areal ps` and the watchdog see of refused requests
+    # (a trainer that retries one forever looks busy; only the server can tell). UNCOUNTED
+    # routes are left out: a paused server answers /health 503, and reading the counters is
+    # no request of a trainer's.
+    request_errors: Counts = field(default_factory=lambda: Counts())
 
 
 STATE = web.AppKey("state", ServerState)
-
-# How far back `areal ps` and the watchdog look at a server's answers.
-ERROR_WINDOW_S = 60.0
-ERROR_TEXT_MAX = 300
-
-
-class RequestErrors:
-    """Requests answered with an error (4xx/5xx), the last minute of them, and the last one's
-    text: a trainer that retries a refused request forever looks busy, and only the server
-    can tell it is refused. UNCOUNTED routes are left out (a paused server answers /health
-    503, and reading the counters is no request of a trainer's)."""
-
-    def __init__(self, window_s: float = ERROR_WINDOW_S):
-        self.window_s = window_s
-        self.total = 0
-        self.ok: collections.deque[float] = collections.deque()
-        self.errors: collections.deque[float] = collections.deque()
-        self.last: dict[str, Any] | None = None
-        self.streak = 0  # errors since the last answer below 400
-        self.streak_from = 0.0
-
-    def record(self, method: str, path: str, status: int, text: str) -> None:
-        now = time.monotonic()
-        if status < 400:
-            self.ok.append(now)
-            self.streak = 0
-        else:
-            self.total += 1
-            self.errors.append(now)
-            if not self.streak:
-                self.streak_from = now
-            self.streak += 1
-            self.last = {"at": time.time(), "route": f"{method} {path}", "status": status,
-                         "message": text[:ERROR_TEXT_MAX]}  # fmt: skip
-        self._prune(now)
-
-    def _prune(self, now: float) -> None:
-        for q in (self.ok, self.errors):
-            while q and q[0] < now - self.window_s:
-                q.popleft()
-
-    def to_json(self) -> dict[str, Any]:
-        now = time.monotonic()
-        self._prune(now)
-        return {"window_s": self.window_s, "errors": len(self.errors), "answered": len(self.ok),
-                "total": self.total, "streak": self.streak,
-                "streak_s": round(now - self.streak_from, 1) if self.streak else 0.0,
-                "last": self.last}  # fmt: skip
 
 
 def _error_text(resp: web.StreamResponse) -> str:
@@ -278,16 +234,15 @@ def _openai_error(status: int, message: str, kind: str) -> web.Response:
 async def _counted(request: web.Request, handler: Any) -> web.StreamResponse:
     if request.path in UNCOUNTED:
         return await handler(request)
-    errors = request.app[STATE].request_errors
+    errors, route = request.app[STATE].request_errors, f"{request.method} {request.path}"
     try:
         resp = await handler(request)
     except web.HTTPException as e:  # an unknown route, a method not allowed
-        errors.record(request.method, request.path, e.status, e.text or e.reason)
+        errors.record(route, e.status, (e.text or e.reason)[:TEXT_MAX])
         raise
     except asyncio.CancelledError:  # the client went away: no answer to count
         raise
-    errors.record(request.method, request.path, resp.status,
-                  _error_text(resp) if resp.status >= 400 else "")  # fmt: skip
+    errors.record(route, resp.status, _error_text(resp)[:TEXT_MAX] if resp.status >= 400 else "")
     return resp
 
 

@@ -106,35 +106,32 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _int(v: Any) -> int:
-    if _is_int(v):
+def _typed(v: Any, ok: bool, expected: str) -> Any:
+    """`v` where it has the JSON type expected (`ok`), else the serde error naming both."""
+    if ok:
         return v
-    raise _invalid(v, "i64")
+    raise _invalid(v, expected)
+
+
+def _int(v: Any) -> int:
+    return _typed(v, _is_int(v), "i64")
 
 
 def _float(v: Any) -> float:
     # A JSON integer stays an int, as in the engine: its messages say "got -1.", not "-1.0."
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return v
-    raise _invalid(v, "f64")
+    return _typed(v, isinstance(v, (int, float)) and not isinstance(v, bool), "f64")
 
 
 def _bool(v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    raise _invalid(v, "a boolean")
+    return _typed(v, isinstance(v, bool), "a boolean")
 
 
 def _str(v: Any) -> str:
-    if isinstance(v, str):
-        return v
-    raise _invalid(v, "a string")
+    return _typed(v, isinstance(v, str), "a string")
 
 
 def _seq(v: Any) -> list:
-    if isinstance(v, list):
-        return v
-    raise _invalid(v, "a sequence")
+    return _typed(v, isinstance(v, list), "a sequence")
 
 
 def _str_or_list(v: Any, name: str) -> str | list[str]:

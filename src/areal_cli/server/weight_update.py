@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from areal_cli.server import weight_group
-from areal_cli.server.weight_group import TensorMeta
+from areal_cli.backends import weight_group
+from areal_cli.backends.weight_group import TensorMeta
 
 log = logging.getLogger("areal.server")
 

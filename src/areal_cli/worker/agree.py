@@ -17,12 +17,13 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from areal_cli.backends.protocol import INITIAL_VERSION
+from areal_cli.worker.weights import sync_weights
+
 if TYPE_CHECKING:
     import torch
 
     from areal_cli.worker.rollout import RolloutClient
-
-INITIAL_VERSION = "default"
 
 
 def _same_model(a: str | None, b: str | None) -> bool:
@@ -64,8 +65,6 @@ def align_servers(
     "failed"} on every rank; `describe(result)` is the line to print.
     """
     import torch.distributed as dist
-
-    from areal_cli.worker.weights import sync_weights
 
     found: list[Any] = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 from areal_cli import files
 from areal_cli.errors import UsageError
+from areal_cli.worker import context
 
 if TYPE_CHECKING:
     import torch
@@ -79,10 +80,8 @@ def default_dir() -> Path:
     own folder (AREAL_LOG_DIR: `<AREAL_HOME>/logs/<user>/<experiment>/<trial>` under `areal
     train`), so a job started again under the same experiment and trial finds them, two
     trials never share them, and every node sees them where it sees the job's logs."""
-    from areal_cli.worker.runtime import _CONTEXT
-
-    if _CONTEXT is not None:
-        return _CONTEXT.log_dir / "checkpoints"
+    if context.CURRENT is not None:
+        return context.CURRENT.log_dir / "checkpoints"
     return Path(os.environ.get("AREAL_LOG_DIR") or Path.cwd() / "areal-logs") / "checkpoints"
 
 

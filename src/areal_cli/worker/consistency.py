@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from areal_cli.worker import channel
+from areal_cli.worker import channel, context
 
 
 @dataclass
@@ -70,16 +70,32 @@ def check_consistency(
     """Compare parameters, buffers, gradients (when present), optimizer state and the loss
     across the ranks that should agree. Collective: call it on every rank at the same point.
     `group`: where plain tensors must agree (default: the runtime's dp group, else the world)."""
-    import torch
     import torch.distributed as dist
 
     t0 = time.perf_counter()
     if not dist.is_initialized():
         return Report(True, 0, 0, [], time.perf_counter() - t0, 1, step)
     items = _items(model, optimizer, loss)
-    plain = _plain_group(group)
-    # Tensors by the group they are compared in; keys and order are the same on every rank
-    # (the model's structure is), so the collectives line up.
+    buckets, skipped = _by_group(items, _plain_group(group))
+    found, checked = _compare(buckets, confirm)
+    mismatches, checked_all, skipped_all = _everyones(found, checked, skipped)
+    order = {n: i for i, (n, _k, _t) in enumerate(items)}
+    mismatches.sort(key=lambda m: (order.get(m.name, 0), m.group))
+    return Report(
+        ok=not mismatches,
+        checked=checked_all,
+        skipped=skipped_all,
+        mismatches=mismatches,
+        seconds=round(time.perf_counter() - t0, 4),
+        world_size=dist.get_world_size(),
+        step=step,
+    )
+
+
+def _by_group(items: list[tuple[str, str, Any]], plain: Any) -> tuple[dict[tuple, dict], int]:
+    """The tensors by the group they are compared in, and how many are compared nowhere.
+    Keys and order are the same on every rank (the model's structure is), so the
+    collectives line up."""
     buckets: dict[tuple, dict] = {}
     skipped = 0
     for name, kind, t in items:
@@ -89,6 +105,15 @@ def check_consistency(
                 continue
             b = buckets.setdefault(key, {"pg": pg, "items": []})
             b["items"].append((name, kind, local))
+    return buckets, skipped
+
+
+def _compare(buckets: dict[tuple, dict], confirm: int) -> tuple[list[Mismatch], int]:
+    """One all_gather of checksums per group; the differing tensors, the first `confirm` of
+    them confirmed on the tensor itself. Also how many tensors were compared."""
+    import torch
+    import torch.distributed as dist
+
     found: list[Mismatch] = []
     checked = 0
     budget = confirm
@@ -120,28 +145,25 @@ def check_consistency(
                     name, kind, key[0], list(ranks), differ, ranks[ref], diff, list(local.shape)
                 )  # fmt: skip
             )
-    # Every rank gets the whole report: groups it is not part of included.
+    return found, checked
+
+
+def _everyones(
+    found: list[Mismatch], checked: int, skipped: int
+) -> tuple[list[Mismatch], int, int]:
+    """Every rank gets the whole report: groups it is not part of included."""
+    import torch.distributed as dist
+
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, ([asdict(m) for m in found], checked, skipped))
     merged: dict[tuple, dict] = {}
     for mism, _c, _s in everyone:
         for m in mism:
             merged.setdefault((m["name"], tuple(m["group"])), m)
-    mismatches = [Mismatch(**m) for m in merged.values()]
     # Per tensor, not per rank: what the rank that compared most saw.
     checked_all = max(c for _m, c, _s in everyone)
     skipped_all = max(s for _m, _c, s in everyone)
-    order = {n: i for i, (n, _k, _t) in enumerate(items)}
-    mismatches.sort(key=lambda m: (order.get(m.name, 0), m.group))
-    return Report(
-        ok=not mismatches,
-        checked=checked_all,
-        skipped=skipped_all,
-        mismatches=mismatches,
-        seconds=round(time.perf_counter() - t0, 4),
-        world_size=dist.get_world_size(),
-        step=step,
-    )
+    return [Mismatch(**m) for m in merged.values()], checked_all, skipped_all
 
 
 def _items(model, optimizer, loss) -> list[tuple[str, str, Any]]:
@@ -177,9 +199,7 @@ def _plain_group(group):
 
     if group is not None:
         return ("group", group)
-    from areal_cli.worker import runtime
-
-    ctx = runtime._CONTEXT
+    ctx = context.CURRENT
     if ctx is not None and "dp" in (ctx.mesh.mesh_dim_names or ()):
         return ("dp", ctx.mesh["dp"].get_group())
     return ("world", dist.group.WORLD)

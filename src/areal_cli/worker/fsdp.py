@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from areal_cli.errors import UsageError
+from areal_cli.parallel import fsdp_mesh
+from areal_cli.worker import consistency
 
 if TYPE_CHECKING:
     import torch
@@ -46,8 +48,6 @@ def shard_model(
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from areal_cli.parallel import fsdp_mesh
-
     kwargs: dict[str, Any] = {
         "mesh": fsdp_mesh(mesh),
         "reshard_after_forward": reshard_after_forward,
@@ -61,7 +61,5 @@ def shard_model(
     # The root's parameters are needed again right after forward (output head, backward),
     # so resharding them would only gather them twice.
     fully_shard(model, **{**kwargs, "reshard_after_forward": False})
-    from areal_cli.worker import consistency
-
     consistency.watch(model)  # what `areal doctor diverge` checks, unless told otherwise
     return model

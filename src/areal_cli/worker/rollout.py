@@ -16,8 +16,9 @@ counts as hung: the request fails over, a control call fails naming it. So a hun
 costs about stall_timeout + probe_timeout, whatever `timeout` allows a live one. One timer
 per client does the watching, only while requests are in flight.
 
-What goes over the wire (routes, bodies, replies, pause modes, versions) is each engine's
-protocol module: `areal_cli.backends.protocol_sglang` (sglang, hf) and `protocol_vllm`.
+What goes over the wire (routes, bodies, replies, pause modes, versions) is the protocol
+module of the engine the servers run (`backends.protocol_for`, backends/protocol.py); this
+module never names an engine.
 
 Async code awaits the methods directly; synchronous training loops call
 `client.run(client.generate_batch(...))`, which keeps one private event loop alive so
@@ -40,12 +41,16 @@ from typing import Any, TypeVar
 
 from areal_cli import backends
 from areal_cli.backends import protocol_for
-from areal_cli.backends import protocol_vllm as _vllm
-from areal_cli.backends.protocol import Completion
+from areal_cli.backends.protocol import INITIAL_VERSION, Completion
 from areal_cli.backends.protocol import version_str as _version_str
 from areal_cli.backends.protocol import version_tuple as _version_tuple
-from areal_cli.backends.protocol_sglang import sampling_params as _sampling
 from areal_cli.errors import LaunchError, UsageError
+from areal_cli.registry import open_registry
+from areal_cli.server.weight_update import (
+    OWNER_HEADER,
+    OWNER_NAME_HEADER,
+    OWNER_PROCESS_HEADER,
+)
 from areal_cli.worker.channel import report_progress
 
 T = TypeVar("T")
@@ -113,6 +118,29 @@ class _NotFound(RolloutError):
     """HTTP 404: the server does not have this route (an older or newer version)."""
 
 
+def _check_args(
+    addrs: list[str], backend: str, max_concurrency: int, stall_timeout: float, **timeouts: float
+) -> None:
+    """One clear UsageError for a client that could never serve."""
+    if not addrs:
+        raise UsageError(
+            "no inference server addresses given",
+            hint="start servers with `areal serve` or set AREAL_LLM_SERVER_ADDRS=host:port,...",
+        )
+    if backends.find(backend) is None:
+        raise UsageError(
+            f"unknown server backend {backend!r}",
+            hint=f"use one of: {', '.join(backends.names())}",
+        )
+    if max_concurrency < 1:
+        raise UsageError("max_concurrency must be at least 1")
+    for name, v in timeouts.items():
+        if not v > 0:
+            raise UsageError(f"{name} must be a number of seconds > 0, not {v!r}")
+    if not stall_timeout >= 0:
+        raise UsageError(f"stall_timeout must be >= 0 seconds (0: off), not {stall_timeout!r}")
+
+
 def _normalise_addr(addr: str) -> str:
     addr = addr.strip().rstrip("/")
     for prefix in ("http://", "https://"):
@@ -159,24 +187,8 @@ class RolloutClient:
         batch or a sync: a server out of it gets nothing, one listed under a new identity
         (restarted) is asked for its weights before it gets a rollout."""
         addrs = [_normalise_addr(a) for a in servers if a and a.strip()]
-        if not addrs:
-            raise UsageError(
-                "no inference server addresses given",
-                hint="start servers with `areal serve` or set AREAL_LLM_SERVER_ADDRS=host:port,...",
-            )
-        if backends.find(backend) is None:
-            raise UsageError(
-                f"unknown server backend {backend!r}",
-                hint=f"use one of: {', '.join(backends.names())}",
-            )
-        if max_concurrency < 1:
-            raise UsageError("max_concurrency must be at least 1")
-        for name, v in (("timeout", timeout), ("control_timeout", control_timeout),
-                        ("probe_timeout", probe_timeout)):  # fmt: skip
-            if not v > 0:
-                raise UsageError(f"{name} must be a number of seconds > 0, not {v!r}")
-        if not stall_timeout >= 0:
-            raise UsageError(f"stall_timeout must be >= 0 seconds (0: off), not {stall_timeout!r}")
+        _check_args(addrs, backend, max_concurrency, stall_timeout, timeout=timeout,
+                    control_timeout=control_timeout, probe_timeout=probe_timeout)  # fmt: skip
         self.backend = backend
         self.api_key = api_key
         self.max_concurrency = max_concurrency
@@ -212,6 +224,9 @@ class RolloutClient:
         # Every request says which trainer sends it: a server of ours lets one trainer own
         # its weights at a time (SGLang and vLLM ignore the headers).
         self._headers.update(_owner_headers())
+        # What the client's close runs first (blocking, best effort): a weight sync gives up
+        # its group and the servers' weights there (worker/weights.py).
+        self._closers: list[Callable[[RolloutClient], None]] = []
 
     # ------------------------------------------------------------------ plumbing
 
@@ -265,12 +280,16 @@ class RolloutClient:
             self._own_loop = asyncio.new_event_loop()
         return self._own_loop.run_until_complete(coro)
 
+    def at_close(self, fn: Callable[[RolloutClient], None]) -> None:
+        """Run `fn(client)` when the client closes (once, however often it is asked)."""
+        if fn not in self._closers:
+            self._closers.append(fn)
+
     async def close(self) -> None:
         """Also destroys the weight-update group a sync made and gives up the ownership of
         the servers' weights, so a server keeps nothing of a trainer that finished."""
-        from areal_cli.worker import weights
-
-        await asyncio.to_thread(weights.release, self)
+        for fn in self._closers:
+            await asyncio.to_thread(fn, self)
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
@@ -287,9 +306,8 @@ class RolloutClient:
             self._own_loop.close()
         self._own_loop = None
         self._watchdog = None  # a timer of the loop just closed
-        from areal_cli.worker import weights
-
-        weights.release(self)  # nothing left to do when close() ran
+        for fn in self._closers:
+            fn(self)  # nothing left to do when close() ran
 
     async def __aenter__(self) -> RolloutClient:
         self._ensure_session()
@@ -342,16 +360,10 @@ class RolloutClient:
 
     # ------------------------------------------------------------------ one HTTP exchange
 
-    async def _request(
-        self,
-        server: _Server,
-        method: str,
-        path: str,
-        payload: dict | None = None,
-        timeout: float | None = None,
-        params: dict[str, str] | None = None,
-    ) -> Any:
-        """One exchange, failed as `_Retryable` when the server turns out to be hung."""
+    async def _request(self, server: _Server, method: str, path: str, payload: dict | None = None,
+                       timeout: float | None = None, params: dict[str, str] | None = None) -> Any:  # fmt: skip
+        """One exchange, failed as `_Retryable` when the server turns out to be hung; the
+        same arguments as `_exchange`."""
         if not self.stall_timeout:
             return await self._exchange(server, method, path, payload, timeout, params)
         task = asyncio.current_task()
@@ -487,23 +499,11 @@ class RolloutClient:
 
     # ------------------------------------------------------------------ generation
 
-    async def generate(
-        self,
-        input_ids: Sequence[int],
-        *,
-        max_new_tokens: int = 128,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False,
-        seed: int | None = None,
-    ) -> Completion:
-        """Sample one continuation of `input_ids`, failing over between servers."""
-        sampling = _sampling(
-            max_new_tokens, temperature, top_p, top_k, stop_token_ids, ignore_eos, seed
-        )
-        return await self._generate(input_ids, sampling)
+    async def generate(self, input_ids: Sequence[int], **sampling: Any) -> Completion:
+        """Sample one continuation of `input_ids`, failing over between servers. `sampling`:
+        the keywords of the protocol's `sampling_params` (max_new_tokens=128,
+        temperature=1.0, top_p=1.0, top_k=-1, stop_token_ids, ignore_eos, seed)."""
+        return await self._generate(input_ids, self.protocol.sampling_params(**sampling))
 
     async def _generate(self, input_ids: Sequence[int], sampling: dict) -> Completion:
         self._ensure_session()
@@ -532,7 +532,7 @@ class RolloutClient:
                 try:
                     proto = self.protocol
                     if proto.NEEDS_FACTS and server.model_name is None:
-                        await self._vllm_model(server)
+                        await self._facts(server)
                     path, payload = proto.generate_request(
                         prompt, sampling, server.model_name, self._has_spans(server)
                     )
@@ -573,8 +573,6 @@ class RolloutClient:
     def _went_back(self, server: _Server, version: str | None) -> bool:
         """Whether `server` reports its initial weights where the pool's moved on: it was
         restarted (versions only move forward otherwise). Then it is out of sampling."""
-        from areal_cli.worker.agree import INITIAL_VERSION
-
         if version != INITIAL_VERSION:
             return False
         if server.reset:  # known already: every request that was in flight to it too
@@ -611,8 +609,6 @@ class RolloutClient:
         """Servers out of sampling since a restart are back once they report another version
         than their base one: a sync reached them (this client may not be the one that synced:
         only rank 0's client talks to the servers during a sync)."""
-        from areal_cli.worker.agree import INITIAL_VERSION
-
         now = time.monotonic()
         waiting = [s for s in self._servers if s.reset and s.down_until <= now]
         if not waiting:
@@ -625,37 +621,33 @@ class RolloutClient:
             server.stale = server.reset = server.suspect = False
             server.weight_version = version
 
-    async def _vllm_model(self, server: _Server) -> str:
-        if server.model_name is None:
-            await self._vllm_facts(server)
-        assert server.model_name is not None
-        return server.model_name
-
-    async def _vllm_facts(self, server: _Server) -> None:
-        """What a vLLM server serves and which vLLM it is, asked once however many requests
-        need it at the same moment (the first batch starts them all at once)."""
+    async def _facts(self, server: _Server) -> None:
+        """What a server whose protocol NEEDS_FACTS serves and which engine version it is,
+        asked once however many requests need it at the same moment (the first batch starts
+        them all at once)."""
         fut = server.facts
         if fut is None or (fut.done() and (fut.cancelled() or fut.exception() is not None)):
-            fut = server.facts = asyncio.ensure_future(self._fetch_vllm_facts(server))
+            fut = server.facts = asyncio.ensure_future(self._fetch_facts(server))
         # One waiter's cancellation (its request timed out) must not cancel the others' fetch.
         await asyncio.shield(fut)
 
-    async def _fetch_vllm_facts(self, server: _Server) -> None:
-        data = await self._request(server, "GET", _vllm.MODELS_PATH, timeout=self.control_timeout)
-        models = _vllm.parse_models(data)
+    async def _fetch_facts(self, server: _Server) -> None:
+        proto = self.protocol
+        data = await self._request(server, "GET", proto.MODELS_PATH, timeout=self.control_timeout)
+        models = proto.parse_models(data)
         if not models:
-            raise RolloutError(f"{server.addr} serves no model (GET /v1/models is empty)")
+            raise RolloutError(f"{server.addr} serves no model (GET {proto.MODELS_PATH} is empty)")
         try:
             got = await self._request(
-                server, "GET", _vllm.ENGINE_VERSION_PATH, timeout=self.control_timeout
+                server, "GET", proto.ENGINE_VERSION_PATH, timeout=self.control_timeout
             )
             server.engine_version = _version_tuple((got or {}).get("version"))
-        except RolloutError:  # 404: not a vLLM that says; speak the newest protocol
+        except RolloutError:  # 404: not a version that says; speak the newest protocol
             server.engine_version = None
         if server.weight_version is None and not self._has_spans(server):
             # No versions in its completions: know the one it holds now (dev routes only).
             try:
-                got = await self._request(server, "GET", _vllm.VERSION_PATH, timeout=30)
+                got = await self._request(server, "GET", proto.VERSION_PATH, timeout=30)
                 if isinstance(got, dict):
                     server.weight_version = _version_str(got.get("weight_version"))
             except RolloutError:
@@ -663,23 +655,26 @@ class RolloutClient:
         server.model_name = str(models[0]["id"])
 
     def _has_spans(self, server: _Server) -> bool:
-        """Whether this vLLM server returns per-completion weight versions."""
-        return _vllm.has_spans(server.engine_version)
+        """Whether this server returns per-completion weight versions."""
+        return self.protocol.has_spans(server.engine_version)
 
-    async def reuses_weight_metadata(self, addr: str) -> bool:
-        """Whether this vLLM server takes empty name/dtype/shape lists as "the metadata of the
-        last update" (0.33). A server that did not say its version gets the full lists:
-        0.32 would receive nothing while the trainer broadcasts, 0.33 reads them either way."""
+    async def engine_version(self, addr: str) -> tuple[int, ...] | None:
+        """The engine version a server runs, e.g. (0, 33), as its protocol asks it (None: it
+        did not say). A weight sync asks it of servers whose protocol changed between
+        versions."""
         server = self.server(addr)
         if server.model_name is None:
-            await self._vllm_facts(server)
-        return _vllm.reuses_metadata(server.engine_version)
+            await self._facts(server)
+        return server.engine_version
 
     async def engine_versions(self) -> dict[str, str | None]:
-        """vLLM: the version each reachable server runs ("0.32.0" as x.y); None: it did not say."""
+        """The engine version each reachable server runs ("0.32.0" as x.y); None: it did not
+        say, or its protocol has no such question (NEEDS_FACTS)."""
 
         async def one(s: _Server) -> str | None:
-            await self._vllm_facts(s)
+            if not self.protocol.NEEDS_FACTS:
+                return None
+            await self._facts(s)
             return ".".join(map(str, s.engine_version)) if s.engine_version else None
 
         results = await self._on_every_server("engine_version", one)
@@ -696,7 +691,7 @@ class RolloutClient:
         self._ensure_session()
         await self.refresh()
         await self._recheck_reset()
-        params = _sampling(**sampling)
+        params = self.protocol.sampling_params(**sampling)
         tasks = [
             asyncio.ensure_future(self._generate(p, params)) for p in prompts for _ in range(n)
         ]
@@ -1045,12 +1040,6 @@ _OWNER_TOKEN = uuid.uuid4().hex
 
 
 def _owner_headers() -> dict[str, str]:
-    from areal_cli.server.weight_update import (
-        OWNER_HEADER,
-        OWNER_NAME_HEADER,
-        OWNER_PROCESS_HEADER,
-    )
-
     host, pid = socket.gethostname(), os.getpid()
     job = "/".join(
         filter(None, (os.environ.get("AREAL_EXPERIMENT"), os.environ.get("AREAL_TRIAL")))
@@ -1068,8 +1057,6 @@ def registry_view(url: str | None, experiment: str, trial: str) -> Callable[[], 
 
     def listed() -> dict[str, Any]:
         if not opened:
-            from areal_cli.registry import open_registry
-
             opened.append(open_registry(url))
         return {e.addr: (e.pid, e.started) for e in opened[0].list(experiment, trial).servers}
 

@@ -22,18 +22,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from areal_cli import settings
+from areal_cli import discovery, procs, settings
 from areal_cli.backends import FALLBACK
-from areal_cli.errors import UsageError
+from areal_cli.errors import ArealError, UsageError, WaitTimeout
 from areal_cli.parallel import ParallelDims, fsdp_mesh
+from areal_cli.registry import RankEntry, open_registry
+from areal_cli.worker import (
+    channel,
+    consistency,
+    context,
+    memory,  # noqa: F401  (its doctor requests, on the rank's channel)
+)
+from areal_cli.worker.rollout import RolloutClient, registry_view
 
 if TYPE_CHECKING:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
-
-    from areal_cli.worker.rollout import RolloutClient
-
-_CONTEXT: WorkerContext | None = None
 
 
 @dataclass
@@ -79,8 +83,6 @@ class WorkerContext:
         """Tell the watchdog this rank moved on (call it once per training step): a job none of
         whose ranks report for `--watchdog` seconds gets the hang doctor. Costs nothing to
         speak of (no I/O; the doctor asks for it over the rank's channel)."""
-        from areal_cli.worker import channel, consistency
-
         channel.report_progress(step)
         if step is not None and consistency.armed():
             consistency.at_step(step)  # `areal doctor diverge`: here all ranks meet at `step`
@@ -97,8 +99,6 @@ class WorkerContext:
         (one pause or weight update, 600 s), `stall_timeout` and `probe_timeout` (a server
         silent that long, then deaf to a cheap question that long, is hung: 10 s + 5 s),
         `cooldown` (how long a failed server is skipped at first, 5 s)."""
-        from areal_cli.worker.rollout import RolloutClient
-
         if not self.servers:
             raise UsageError(
                 "no inference servers known to this worker (AREAL_LLM_SERVER_ADDRS is empty)",
@@ -107,8 +107,6 @@ class WorkerContext:
         kwargs.setdefault("backend", self.backend)
         kwargs.setdefault("api_key", self.api_key)
         if os.environ.get("AREAL_REGISTRY"):
-            from areal_cli.worker.rollout import registry_view
-
             # A server its runner restarts (base weights again) is told by the registry.
             view = registry_view(os.environ["AREAL_REGISTRY"], self.experiment, self.trial)
             kwargs.setdefault("discover", view)
@@ -116,7 +114,6 @@ class WorkerContext:
 
     def close(self) -> None:
         """Destroy the process group; `connect()` afterwards starts a fresh one."""
-        global _CONTEXT
         import torch.distributed as dist
 
         if dist.is_initialized():
@@ -135,11 +132,9 @@ class WorkerContext:
             except Exception:
                 pass
             self._rank_entry = None
-        from areal_cli.worker import channel
-
         channel.stop()
-        if _CONTEXT is self:
-            _CONTEXT = None
+        if context.CURRENT is self:
+            context.CURRENT = None
         import gc
 
         gc.collect()  # free the groups' C++ side now, while the interpreter is whole
@@ -163,9 +158,8 @@ def _free_port() -> int:
 
 def connect(*, timeout_s: float = 600.0) -> WorkerContext:
     """Join the job: init the process group and device mesh, read the servers. Idempotent."""
-    global _CONTEXT
-    if _CONTEXT is not None:
-        return _CONTEXT
+    if context.CURRENT is not None:
+        return context.CURRENT
 
     import datetime
 
@@ -201,12 +195,9 @@ def connect(*, timeout_s: float = 600.0) -> WorkerContext:
             timeout=datetime.timedelta(seconds=timeout_s),
         )
     mesh = dims.build_mesh(device_type)
-    from areal_cli.worker import channel
-
     # The doctor's way in: a thread of this rank's own answers it even while the main
     # thread sits in a collective (the flight recorder's dump, the last step).
     channel.start(os.environ.get("AREAL_HOME") or None)
-    from areal_cli.worker import consistency, memory  # noqa: F401  (their doctor requests)
 
     experiment = os.environ.get("AREAL_EXPERIMENT") or settings.DEFAULT_EXPERIMENT
     trial = os.environ.get("AREAL_TRIAL") or settings.DEFAULT_TRIAL
@@ -218,7 +209,7 @@ def connect(*, timeout_s: float = 600.0) -> WorkerContext:
         servers, backend, api_key = _discover(experiment, trial, rank, world_size)
     log_dir = Path(os.environ.get("AREAL_LOG_DIR") or Path.cwd() / "areal-logs")
     log_dir.mkdir(parents=True, exist_ok=True)
-    _CONTEXT = WorkerContext(
+    ctx = context.CURRENT = WorkerContext(
         rank=rank,
         world_size=world_size,
         local_rank=local_rank,
@@ -233,8 +224,8 @@ def connect(*, timeout_s: float = 600.0) -> WorkerContext:
         trial=trial,
         alloc=alloc,
     )
-    _CONTEXT._rank_entry = _register_rank(experiment, trial, rank, local_rank, world_size)
-    return _CONTEXT
+    ctx._rank_entry = _register_rank(experiment, trial, rank, local_rank, world_size)
+    return ctx
 
 
 def _discover(experiment: str, trial: str, rank: int, world_size: int):
@@ -245,10 +236,6 @@ def _discover(experiment: str, trial: str, rank: int, world_size: int):
 
     found: list = [None]
     if rank == 0:
-        from areal_cli import discovery
-        from areal_cli.errors import ArealError
-        from areal_cli.registry import open_registry
-
         try:
             got = discovery.from_registry(
                 open_registry(os.environ.get("AREAL_REGISTRY")),
@@ -265,8 +252,6 @@ def _discover(experiment: str, trial: str, rank: int, world_size: int):
         dist.broadcast_object_list(found, src=0)
     addrs, backend, key, error = found[0]
     if error:
-        from areal_cli.errors import WaitTimeout
-
         raise WaitTimeout(error)
     return addrs, backend or FALLBACK, key
 
@@ -280,9 +265,6 @@ def _register_rank(experiment: str, trial: str, rank: int, local_rank: int, worl
         return None
     import logging
     import threading
-
-    from areal_cli import procs
-    from areal_cli.registry import RankEntry, open_registry
 
     try:
         reg = open_registry(url)
@@ -322,5 +304,5 @@ def _register_rank(experiment: str, trial: str, rank: int, local_rank: int, worl
 
 def close() -> None:
     """Tear down the context `connect()` made, if any."""
-    if _CONTEXT is not None:
-        _CONTEXT.close()
+    if context.CURRENT is not None:
+        context.CURRENT.close()

@@ -66,14 +66,7 @@ def held_by_others(
 
 def plan(spec: JobSpec, home: Path, registry: Registry | str, check_packages: bool = True) -> Plan:
     registry = opened(registry)
-    p = Plan(
-        **plan_fields(spec, home, registry),
-        watchdog=spec.watchdog if spec.trainer else 0.0,
-        watchdog_action=spec.watchdog_action,
-        watchdog_auto=spec.watchdog_auto,
-        max_restarts=spec.max_restarts if spec.trainer else 0,
-        restart_on=spec.restart_on,
-    )
+    p = Plan(**plan_fields(spec, home, registry))
     log_dir = Path(p.log_dir)
     inventory = gpus.detect(spec.gpus_flag)
     held, busy_ports = held_by_others(registry, home, inventory)

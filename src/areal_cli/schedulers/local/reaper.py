@@ -39,27 +39,6 @@ def _stat(pid: int) -> tuple[str, str] | None:
     return fields[0], fields[19]
 
 
-def cleanup(marker: str, home: Path, experiment: str, trial: str, registry: str) -> None:
-    from areal_cli import procs
-    from areal_cli.registry import open_registry
-    from areal_cli.schedulers.local import records as jobs
-
-    # The record first: from now on `ps` says what happened, not "dead".
-    try:
-        for rec in jobs.load_all(home, experiment, trial):
-            if rec.marker == marker and rec.state in jobs.LIVE:
-                rec.state = "killed"
-                rec.message = "the supervisor died; the watchdog tore the job down"
-                jobs.write(home, rec)
-    except Exception:
-        pass
-    procs.kill_job(marker, grace=3.0)
-    try:
-        open_registry(registry).deregister_job(experiment, trial, marker)
-    except Exception:
-        pass  # entries expire with their lease or heartbeat anyway
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m areal_cli.schedulers.local.reaper")
     ap.add_argument("--parent", type=int, required=True)
@@ -78,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         if now is None or now[0] in ("Z", "X") or now[1] != first[1]:
             break
         time.sleep(0.2)
-    cleanup(args.marker, Path(args.home), args.experiment, args.trial, args.registry)
+    from areal_cli.schedulers.local import stop  # only now: see above
+
+    stop.reap(args.marker, Path(args.home), args.experiment, args.trial, args.registry)
     return 0
 
 

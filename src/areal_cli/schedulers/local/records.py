@@ -14,56 +14,85 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from areal_cli import settings
+from areal_cli import files, settings
 from areal_cli.errors import UsageError
+from areal_cli.plain import Plain, plain
+from areal_cli.schedulers.job_records import skip_foreign, write_record
 
 STATES = ("starting", "running", "stopping", "stopped", "failed", "killed")
 LIVE = ("starting", "running", "stopping")
 
 
-@dataclass
-class ProcessRecord:
-    role: str  # "server" | "trainer" | "supervisor"
-    index: int
-    pid: int
-    argv: list[str]
-    log: str
-    addr: str | None = None  # host:port it listens on: a server's HTTP, torchrun's rendezvous
-    gpus: list[int] = field(default_factory=list)
-    create_time: float | None = None
-    exit_code: int | None = None
-    # The server its replica runner registered: the one serving now, since the runner starts a
-    # server that exited again (a new pid) and the supervisor follows its registry entry.
-    server_pid: int | None = None
-    server_create_time: float | None = None  # tells that server from a later owner of its pid
+class ProcessRecord(Plain):
+    """One process of a job."""
+
+    __slots__ = ("role", "index", "pid", "argv", "log", "addr", "gpus", "create_time",
+                 "exit_code", "server_pid", "server_create_time")  # fmt: skip
+
+    def __init__(
+        self,
+        role: str,  # "server" | "trainer" | "supervisor"
+        index: int,
+        pid: int,
+        argv: list[str],
+        log: str,
+        addr: str | None = None,  # host:port it listens on: a server's HTTP, torchrun's rendezvous
+        gpus: list[int] | None = None,
+        create_time: float | None = None,
+        exit_code: int | None = None,
+        # The server its replica runner registered: the one serving now, since the runner
+        # starts a server that exited again (a new pid) and the supervisor follows its entry.
+        server_pid: int | None = None,
+        server_create_time: float | None = None,  # tells that server from a later owner of its pid
+    ):
+        self.role, self.index, self.pid, self.argv, self.log = role, index, pid, argv, log
+        self.addr, self.gpus = addr, [] if gpus is None else gpus
+        self.create_time, self.exit_code = create_time, exit_code
+        self.server_pid, self.server_create_time = server_pid, server_create_time
 
 
-@dataclass
-class JobRecord:
-    experiment: str
-    trial: str
-    kind: str  # "serve" | "train" | "serve+train"
-    state: str
-    marker: str
-    supervisor_pid: int
-    supervisor_create_time: float | None
-    host: str
-    started: float
-    log_dir: str
-    registry: str
-    alloc: str | None = None
-    model: str | None = None  # what the servers serve, as given (a directory or a hub id)
-    processes: list[ProcessRecord] = field(default_factory=list)
-    api_key_file: str | None = None
-    message: str | None = None  # why it failed or stopped
-    detail: str | None = None  # the failing process's log tail
-    exit_code: int | None = None
-    updated: float = 0.0
-    watchdog: dict | None = None  # the last stall's verdict (diagnose.watchdog.Stall)
-    restarts: list[dict] = field(default_factory=list)  # diagnose.restart.Decision, in order
+class JobRecord(Plain):
+    """A job as its supervisor records it."""
+
+    __slots__ = ("experiment", "trial", "kind", "state", "marker", "supervisor_pid",
+                 "supervisor_create_time", "host", "started", "log_dir", "registry", "alloc",
+                 "model", "processes", "api_key_file", "message", "detail", "exit_code",
+                 "updated", "watchdog", "restarts")  # fmt: skip
+
+    def __init__(
+        self,
+        experiment: str,
+        trial: str,
+        kind: str,  # "serve" | "train" | "serve+train"
+        state: str,
+        marker: str,
+        supervisor_pid: int,
+        supervisor_create_time: float | None,
+        host: str,
+        started: float,
+        log_dir: str,
+        registry: str,
+        alloc: str | None = None,
+        model: str | None = None,  # what the servers serve, as given (a directory or a hub id)
+        processes: list[ProcessRecord] | None = None,
+        api_key_file: str | None = None,
+        message: str | None = None,  # why it failed or stopped
+        detail: str | None = None,  # the failing process's log tail
+        exit_code: int | None = None,
+        updated: float = 0.0,
+        watchdog: dict | None = None,  # the last stall's verdict (diagnose.watchdog.Stall)
+        restarts: list[dict] | None = None,  # diagnose.restart.Decision, in order
+    ):
+        self.experiment, self.trial, self.kind, self.state = experiment, trial, kind, state
+        self.marker, self.supervisor_pid = marker, supervisor_pid
+        self.supervisor_create_time, self.host, self.started = supervisor_create_time, host, started
+        self.log_dir, self.registry, self.alloc, self.model = log_dir, registry, alloc, model
+        self.processes = [] if processes is None else processes
+        self.api_key_file, self.message, self.detail = api_key_file, message, detail
+        self.exit_code, self.updated, self.watchdog = exit_code, updated, watchdog
+        self.restarts = [] if restarts is None else restarts
 
     @property
     def name(self) -> str:
@@ -83,7 +112,7 @@ class JobRecord:
         return procs.pid_alive(self.supervisor_pid, self.supervisor_create_time)
 
     def to_json(self) -> dict:
-        d = asdict(self)
+        d = plain(self)
         d["name"] = self.name
         d["pids"] = self.pids
         d["alive"] = self.alive()
@@ -111,8 +140,6 @@ def record_path(home: Path, experiment: str, trial: str, kind: str) -> Path:
 
 
 def write(home: Path, record: JobRecord) -> Path:
-    from areal_cli.schedulers.job_records import write_record
-
     record.updated = time.time()
     path = record_path(home, record.experiment, record.trial, record.kind)
     # A live job's record keeps a reserve: its final state gets written on a full disk.
@@ -149,8 +176,6 @@ def load(home: Path, experiment: str, trial: str, kind: str | None = None) -> Jo
 def read(path: Path) -> JobRecord:
     """The record at `path`; files.UnsafePath (exit 2) when it is not this user's alone: its
     pids are never acted on."""
-    from areal_cli import files
-
     try:
         return JobRecord.from_json(json.loads(files.read_owned(path)))
     except files.UnsafePath:
@@ -165,9 +190,6 @@ def read(path: Path) -> JobRecord:
 def read_mine(path: Path) -> JobRecord | None:
     """The record at `path`, or None when there is none or another user could have written
     it (skipped with a warning: job_records.skip_foreign)."""
-    from areal_cli import files
-    from areal_cli.schedulers.job_records import skip_foreign
-
     try:
         return read(path)
     except files.UnsafePath as e:
@@ -205,11 +227,8 @@ def lock_slot(home: Path, experiment: str, trial: str, kind: str):
     once, with the holder named."""
     import fcntl
 
-    from areal_cli import files
-    from areal_cli.settings import ensure_dir
-
     path = record_path(home, experiment, trial, kind).with_suffix(".lock")
-    ensure_dir(path.parent)
+    settings.ensure_dir(path.parent)
     f = files.open_lock(path)  # held open as the lock; never truncated unlocked
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -233,13 +252,14 @@ def _write_holder(f) -> None:
     f.flush()
 
 
-@dataclass
-class Claim:
+class Claim(Plain):
     """A trial's slot(s), taken before anything of the job is written and held until it
     ends, and the job's plan file (user-only: it may hold the API key)."""
 
-    locks: list
-    plan_file: Path
+    __slots__ = ("locks", "plan_file")
+
+    def __init__(self, locks: list, plan_file: Path):
+        self.locks, self.plan_file = locks, plan_file
 
     @classmethod
     def take(cls, home: Path, plan) -> Claim:
@@ -257,8 +277,6 @@ class Claim:
             raise
         job_dir = record_path(home, plan.experiment, plan.trial, plan.kind).parent
         plan_file = job_dir / f".{slot(plan.kind)}-{plan.marker}.plan.json"
-        from areal_cli import files
-
         with os.fdopen(files.create_new(plan_file), "w") as f:
             json.dump(plan.to_json(redact=False), f)
         return cls(locks, plan_file)

@@ -43,7 +43,8 @@ from pathlib import Path
 
 import psutil
 
-from areal_cli import apikeys, files, logfiles, procs, settings
+from areal_cli import apikeys, files, logfiles, procs, request_errors, settings
+from areal_cli.diagnose import restart, targets, watchdog
 from areal_cli.errors import (
     EXIT_INTERRUPTED,
     ArealError,
@@ -51,6 +52,7 @@ from areal_cli.errors import (
     WaitTimeout,
 )
 from areal_cli.launchers import torchrun
+from areal_cli.launchers.replica import replica_processes
 from areal_cli.registry import open_registry
 from areal_cli.schedulers.common import (
     TAIL_LINES,
@@ -59,7 +61,9 @@ from areal_cli.schedulers.common import (
     resume_left_paused,
     tail_text,
 )
+from areal_cli.schedulers.lifecycle import restart_trainers
 from areal_cli.schedulers.local import records
+from areal_cli.schedulers.local.launch import supervisor_log
 from areal_cli.spec import Plan, ProcessPlan
 
 EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: stopped by SIGTERM (areal stop, timeout)
@@ -128,8 +132,6 @@ class Supervisor:
         self.record: records.JobRecord | None = None
         self._watchdog = None  # diagnose.watchdog.Watchdog while trainers run
         self._stalled = None  # the stall that ends the job (--watchdog-action fail)
-        self._restarted = 0  # restarts of the trainer group so far
-        self._last_failure = None  # the failure the last restart followed (diagnose.restart)
         self._servers_seen = 0.0  # monotonic time of the last look at the registry's entries
 
     # -- public ---------------------------------------------------------------------------
@@ -362,7 +364,7 @@ class Supervisor:
                     self.on_event("trainer_exit", {"label": proc.label, "code": code})
                     if code == 0:
                         return 0
-                    if not self._restart(proc, code):
+                    if not self._restart(code):
                         raise self._failure(proc, code, "")
                     trainers = [p for p in self.procs if p.plan.role == "trainer"]
                     break
@@ -389,8 +391,6 @@ class Supervisor:
             self.changed.wait(0.5)
             self.changed.clear()
         if self._stalled is not None:
-            from areal_cli.diagnose import watchdog
-
             s = self._stalled
             raise LaunchError(
                 f"watchdog: {s.headline()}",
@@ -402,41 +402,35 @@ class Supervisor:
             )
         return self.stop_code
 
-    def _restart(self, failed: _Proc, code: int) -> bool:
-        """After a trainer failed: start the trainer group again when the root cause says a
-        restart may pass and the budget lasts (diagnose.restart). Says the decision either way
-        (with restarts on); True when the trainers run again, or a stop came meanwhile."""
-        if self.plan.max_restarts <= 0 or self.stop_requested.is_set():
-            return False
-        from areal_cli.diagnose import restart
+    def _restart(self, code: int) -> bool:
+        """After a trainer failed: the trainer group started again when the root cause says a
+        restart may pass and the budget lasts (lifecycle.restart_trainers, over this
+        supervisor's processes and record). True when the trainers run again, or a stop came
+        meanwhile."""
+        return restart_trainers(self, self.plan, code, self.stop_requested)
 
-        # The rest of the group first: its lines end in the logs the doctor reads.
-        old = [p for p in self.procs if p.plan.role == "trainer"]
-        self._stop_trainers(old)
-        failure = restart.diagnose(self.plan.log_dir, exit_what=describe_exit(code))
-        decision = restart.decide(
-            failure, self._restarted, self.plan.max_restarts, self.plan.restart_on,
-            self._last_failure,
-        )  # fmt: skip
-        self._tell(decision)
-        if self.stop_requested.is_set():
-            return True  # Ctrl-C or areal stop during the restart: the stop ends the job
-        if not decision.restart:
-            return False
-        self._restarted, self._last_failure = decision.attempt, failure
-        restart.archive_logs(self.plan.log_dir, decision.attempt)
-        for proc in old:
+    # -- what a restart asks of the supervisor (lifecycle.Restarts) -----------------------
+
+    def stop_trainers(self) -> None:
+        self._stop_trainers([p for p in self.procs if p.plan.role == "trainer"])
+
+    def decisions(self) -> list[dict]:
+        return self.record.restarts
+
+    def start_trainers(self, attempt: int) -> None:
+        """The failed group's records go; the group starts again, AREAL_RESTART=<n> in its
+        environment, and its watchdog with it."""
+        for proc in [p for p in self.procs if p.plan.role == "trainer"]:
             self.procs.remove(proc)
             self.record.processes = [r for r in self.record.processes if r.pid != proc.popen.pid]
         for p in self.plan.trainers:
             if self.stop_requested.is_set():  # Ctrl-C during the restart: the teardown is next
                 break
-            self._spawn(p, {restart.ENV: str(decision.attempt)})
+            self._spawn(p, {restart.ENV: str(attempt)})
             self._record_rendezvous(self.procs[-1])
         trainers = [p for p in self.procs if p.plan.role == "trainer"]
         if trainers and self.plan.watchdog > 0:
             self._start_watchdog(trainers)
-        return True
 
     def _stop_trainers(self, old: list[_Proc]) -> None:
         """The failed group's processes, whatever is left: its launchers' trees and ranks that
@@ -459,7 +453,7 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 pass
 
-    def _tell(self, decision) -> None:
+    def tell(self, decision) -> None:
         """One line per decision: the event (the terminal, or the daemon's log), the job
         record (`areal ps`) and, in the foreground, the supervisor's log in the log folder."""
         self.record.restarts.append({**decision.to_json(), "time": time.time()})
@@ -470,8 +464,6 @@ class Supervisor:
         self.on_event("restart", decision.to_json())
         if self.on_line is None:
             return  # the daemon's events are its log already (run_daemon)
-        from areal_cli.schedulers.local.launch import supervisor_log
-
         try:
             fd = os.open(supervisor_log(self.plan),
                          os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)  # fmt: skip
@@ -481,8 +473,6 @@ class Supervisor:
             pass  # a full disk: the terminal and the record still have the line
 
     def _start_watchdog(self, trainers: list[_Proc]) -> None:
-        from areal_cli.diagnose import targets, watchdog
-
         roots = [p.popen.pid for p in trainers]
         name = f"{self.plan.experiment}/{self.plan.trial}"
         self._watchdog = watchdog.Watchdog(
@@ -500,8 +490,6 @@ class Supervisor:
         """The servers the job uses that refuse their clients (request_errors.refusing): its
         trial's in the registry, and those of this host's serving jobs at the addresses its
         trainers were given."""
-        from areal_cli import request_errors
-
         trials = [(self.plan.experiment, self.plan.trial)]
         addrs = {a for p in self.plan.trainers for a in
                  p.env.get("AREAL_LLM_SERVER_ADDRS", "").split(",") if a}  # fmt: skip
@@ -528,8 +516,6 @@ class Supervisor:
         return pids
 
     def _on_stall(self, stall) -> None:
-        from areal_cli.diagnose import watchdog
-
         line = watchdog.log_line(self.plan.log_dir, stall, self.plan.watchdog)
         self.record.watchdog = stall.to_json()
         try:
@@ -546,8 +532,6 @@ class Supervisor:
     def _reap_replica(self, proc: _Proc) -> None:
         """A runner that died without its server (SIGKILL, OOM) leaves the server behind:
         stop it and take its entry out of the registry."""
-        from areal_cli.launchers.replica import replica_processes
-
         left = replica_processes(self.plan.marker, proc.plan.index)
         if left:
             procs.terminate(left, grace=3.0)

@@ -51,10 +51,8 @@ class RayScheduler(ClusterScheduler):
 
     def schedule(self, request, *, detach: bool, **kw) -> Handle:
         if detach and request.plan.max_restarts:
-            # The trainers are restarted by the areal that follows the job (job.Watch); a
+            # The trainers are restarted by the areal that follows the job (job.follow); a
             # detached job has none once the command returned.
-            from areal_cli.errors import UsageError
-
             raise UsageError(
                 "--max-restarts on Ray needs the job in the foreground (areal restarts it)",
                 hint="drop --detach (tmux or nohup keep a foreground job running)",
@@ -67,7 +65,7 @@ class RayScheduler(ClusterScheduler):
         return {"address": getattr(spec.scheduler_opts, "address", None) or self.address}
 
     def _submitted(self, rec, on_event) -> None:
-        """Nothing yet: the job's Watch tells it once Ray placed it, naming its nodes."""
+        """Nothing yet: the job's lifecycle tells it once Ray placed it, naming its nodes."""
 
     def _stall(self, rec) -> dict | None:
         """The last stall the job's watchdog diagnosed (it runs in the job's first training
@@ -93,13 +91,13 @@ class RayScheduler(ClusterScheduler):
         named node of the job at once, by the job's own actor there: no worker to start, and
         an areal module (`python -m areal_cli.X ...`) runs inside the actor, no process to
         start either (actor.run_module); it sees what the job's processes see."""
-        from areal_cli.schedulers.ray import cluster, job, records
+        from areal_cli.schedulers.ray import cluster, records, watch
 
         recs = [r for r in records.all_records(self.home) if r.job_id == job_id]
         if not recs:
             raise UsageError(f"no Ray job {job_id} under {records.root(self.home)}")
         cluster.connect(recs[0].address)
-        return job.run_by_actors(recs[0].actors, job_id, commands, timeout)
+        return watch.run_by_actors(recs[0].actors, job_id, commands, timeout)
 
     # -- logs, stop -----------------------------------------------------------------------
 

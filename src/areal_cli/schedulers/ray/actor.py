@@ -29,6 +29,10 @@ import sys
 import threading
 from pathlib import Path
 
+from areal_cli import procs
+from areal_cli.launchers.replica import replica_processes
+from areal_cli.schedulers.ray import watch
+
 MARKER_ENV = "AREAL_JOB_MARKER"
 
 
@@ -110,8 +114,6 @@ class Step:
 
     def watch(self, nodes: int) -> bool:
         """Start the job's watchdog here (schedulers/ray/watch.py); False when it has none."""
-        from areal_cli.schedulers.ray import watch
-
         if self._dog is None or self._dog.stop.is_set():  # re-armed after a restart
             self._dog = watch.start(self.run_dir, lambda: watch.stop_trainers(self.marker, nodes))
         return self._dog is not None
@@ -166,12 +168,8 @@ class Step:
 
 def sweep(marker: str, index: int | None = None, grace: float = 3.0) -> int:
     """Every process of the job on this node (of one replica when `index` is given)."""
-    from areal_cli import procs
-
     if index is None:
         return procs.kill_job(marker, grace=grace)
-    from areal_cli.launchers.replica import replica_processes
-
     found = replica_processes(marker, index)
     return procs.kill_job(None, roots=[p.pid for p in found], grace=grace) if found else 0
 

@@ -4,27 +4,27 @@ shares through the filesystem (logs, the job's plan, a file registry)."""
 
 from __future__ import annotations
 
+import os
 import secrets
 from pathlib import Path
 
+from areal_cli import settings
+from areal_cli.diagnose.check import FAIL, PASS, WARN, Row
+from areal_cli.errors import ArealError
+from areal_cli.registry import open_registry
+from areal_cli.schedulers.ray import cluster
+
 
 def rows(home: Path, registry: str, address: str | None = None) -> list:
-    from areal_cli.diagnose.check import FAIL, PASS, WARN, Row
-    from areal_cli.errors import ArealError
-
     try:
-        import ray
+        import ray  # optional: areal-cli[ray]
     except ImportError:
         return [Row("ray", FAIL, "Ray is not installed in this interpreter",
                     "pip install 'areal-cli[ray]' (the cluster's Ray version)")]  # fmt: skip
-    from areal_cli.schedulers.ray import cluster
-
     try:
         addr = cluster.connect(address)
     except ArealError as e:
         return [Row("ray", FAIL, f"ray {ray.__version__}: {e.message}", e.hint)]
-    import os
-
     auth = os.environ.get("RAY_AUTH_MODE") or "unset"
     nodes = cluster.nodes()
     versions = _cluster_versions()
@@ -66,10 +66,6 @@ def _shared_fs(home: Path, registry: str, nodes) -> object:
     node (node affinity, no resources held)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from areal_cli import settings
-    from areal_cli.diagnose.check import FAIL, PASS, WARN, Row
-    from areal_cli.registry import open_registry
 
     token = secrets.token_hex(8)
     places = {"logs": home / "logs" / settings.user()}

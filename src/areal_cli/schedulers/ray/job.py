@@ -17,15 +17,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from areal_cli import apikeys, logfiles, settings
+from areal_cli import apikeys, schedulers, settings
+from areal_cli.diagnose import restart
 from areal_cli.errors import LaunchError, WaitTimeout
+from areal_cli.schedulers import lifecycle
 from areal_cli.schedulers.api import LIVE, Stopped
 from areal_cli.schedulers.cluster import (
-    ClusterWatch,
     SlotLock,
     clash,
-    deregister_servers,
-    leave_nothing,
     ready_addr,
     refusal,
     reread,
@@ -34,8 +33,16 @@ from areal_cli.schedulers.cluster import (
 # The names this module's start and watch call them by.
 from areal_cli.schedulers.cluster import private_file as _private
 from areal_cli.schedulers.cluster import read_code as _read_code
-from areal_cli.schedulers.common import describe_exit, explain_failure, tail_text
-from areal_cli.schedulers.ray import cluster, records
+from areal_cli.schedulers.cluster_live import deregister_servers, leave_nothing
+from areal_cli.schedulers.common import describe_exit, tail_text
+from areal_cli.schedulers.lifecycle import (
+    Lifecycle,
+    failed_by_watchdog,
+    headline,
+    trainer_failure,
+    watchdog_failure,
+)
+from areal_cli.schedulers.ray import actor, cluster, records, watch
 from areal_cli.schedulers.ray.planner import (
     PLAN_FILE,
     TRAINER_ENV_FILE,
@@ -97,8 +104,6 @@ def _slot_lock(home: Path, plan: RayPlan) -> SlotLock:
 def refuse_if_running(home: Path, plan: RayPlan) -> None:
     """A serving and a training job may share E/T; a second of the same kind may not, on any
     scheduler."""
-    from areal_cli import schedulers
-
     for sched, h in schedulers.known_jobs(plan.experiment, plan.trial, home=home):
         job = sched.describe(h)
         if job is None or job.state not in LIVE:
@@ -110,9 +115,7 @@ def refuse_if_running(home: Path, plan: RayPlan) -> None:
 def _step_class():
     import ray
 
-    from areal_cli.schedulers.ray.actor import Step
-
-    return ray.remote(Step)
+    return ray.remote(actor.Step)
 
 
 def create(plan: RayPlan, env: dict[str, str]) -> tuple[dict, object | None]:
@@ -261,12 +264,10 @@ def refresh(recs: list[RayRecord], home: Path) -> None:
 
 def _failed_by_watchdog(rec: RayRecord) -> dict | None:
     """--watchdog-action fail ended the job: that stall is why, not torchrun's exit code."""
-    from areal_cli.schedulers.ray import watch
-
-    stalled = watch.failed_by_watchdog(rec.run_dir) if rec.kind != "serve" else None
+    stalled = failed_by_watchdog(rec.run_dir) if rec.kind != "serve" else None
     if stalled is not None:
         rec.state, rec.exit_code = "failed", 1
-        rec.message = f"watchdog: {watch.headline(stalled)}"
+        rec.message = f"watchdog: {headline(stalled)}"
     return stalled
 
 
@@ -286,8 +287,6 @@ def _on_nodes(node_ids: list[str], what: str, *args, timeout: float = 30.0) -> d
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from areal_cli.schedulers.ray import actor
-
     alive = {n.node_id for n in cluster.nodes()}
     fn = ray.remote(num_cpus=0, max_retries=0)(getattr(actor, what))
     refs = {
@@ -305,50 +304,6 @@ def _on_nodes(node_ids: list[str], what: str, *args, timeout: float = 30.0) -> d
                 out[nid] = ray.get(ref)
             except Exception as e:
                 out[nid] = e
-    return out
-
-
-def run_by_actors(
-    actors: list[str], job_id: str, commands: dict[str, list[str]], timeout: float
-) -> dict[str, tuple[str | None, str | None]]:
-    """node → (stdout, why not) of each node's command, run by a live actor of the job on that
-    node (Step.run), all at once; from a driver (`areal doctor`) or from inside the job (its
-    watchdog, in an actor)."""
-    import ray
-
-    by_ip: dict[str, str] = {}
-    for name, st in cluster.actor_states(actors).items():
-        if st.state == "ALIVE" and st.node_ip:
-            by_ip.setdefault(st.node_ip, name)
-    out: dict[str, tuple[str | None, str | None]] = {}
-    refs = {}
-    for node, argv in commands.items():
-        name = by_ip.get(node)
-        if name is None:
-            out[node] = (None, f"node {node} cannot be reached: no live actor of Ray job "
-                               f"{job_id} there")  # fmt: skip
-            continue
-        try:
-            actor = ray.get_actor(name, namespace=cluster.NAMESPACE)
-        except ValueError:
-            out[node] = (None, f"node {node} cannot be reached: its actor {name} is gone")
-            continue
-        refs[node] = actor.run.remote(argv, timeout)
-    ready, _ = cluster.wait_refs(list(refs.values()), timeout + 10.0)
-    for node, ref in refs.items():
-        if ref not in ready:
-            out[node] = (None, f"no answer from node {node} within {timeout + 10:g}s")
-            continue
-        try:
-            code, stdout, stderr = ray.get(ref)
-        except Exception as e:
-            out[node] = (None, f"node {node} cannot be reached: {type(e).__name__}: {e}")
-            continue
-        if stdout.strip():
-            out[node] = (stdout, None)
-        else:
-            last = (stderr.strip().splitlines() or [f"exit code {code}"])[-1]
-            out[node] = (None, f"node {node}: the command failed: {last}")
     return out
 
 
@@ -409,31 +364,57 @@ def cancel(rec: RayRecord, home: Path, timeout: float, reason: str) -> None:
 # -- watching one job from `areal` -----------------------------------------------------------
 
 
-class Watch(ClusterWatch):
-    """Follows one job: placed → started → servers registered → its end."""
+def follow(plan: RayPlan, rec: RayRecord, home: Path, stop: threading.Event,
+           on_event: EventFn | None = None, on_line=None, on_progress=None) -> Lifecycle:  # fmt: skip
+    """The job's lifecycle over Ray: placed → started → servers registered → its end."""
+    return Lifecycle(Transport(plan, rec, home), stop, on_event, on_line, on_progress)
+
+
+class Transport(lifecycle.Transport):
+    """Detached actors placed by Ray (the trainers in one placement group), each running one
+    runner; its trainers restarted by this areal in the same actors; ended by teardown."""
 
     plan: RayPlan
     rec: RayRecord
+    records = records
+    poll_every = 0.3
 
-    def __init__(self, plan: RayPlan, rec: RayRecord, home: Path, stop: threading.Event,
-                 on_event: EventFn | None = None, on_line=None, on_progress=None):  # fmt: skip
-        super().__init__(plan, rec, home, stop, on_event, on_line, on_progress)
+    def __init__(self, plan: RayPlan, rec: RayRecord, home: Path):
+        super().__init__(plan, rec, home)
         self.actors: dict = {}
         self.group = None
         self.where: dict[str, dict] = {}
         self._checked = 0.0
 
-    # -- phases ---------------------------------------------------------------------------
+    @property
+    def what(self) -> str:
+        return f"Ray job {self.rec.job_id}"
 
-    def until_ready(self) -> None:
-        import ray
+    @property
+    def trainers(self) -> list[str]:
+        return [lb for lb in self.actors if lb.startswith("torchrun-")]
 
+    def place(self) -> None:
+        """The actors asked of Ray and placed, the trainers started (and the job's watchdog
+        beside them)."""
         deadline = time.monotonic() + self.plan.health_timeout
         env = {**forwarded_env(), "AREAL_HOME": self.plan.home}
         self.actors, self.group = create(self.plan, env)
         self._placed(deadline)
+        self._start(env)
+        self.rec.state = "starting" if self.plan.servers else "running"
+        records.write(self.home, self.rec)
+        nodes = sorted({w["ip"] for w in self.where.values()})
+        self.life.on_event("submitted", {"what": f"Ray job {self.rec.job_id} on "
+                                         f"{', '.join(nodes)}", "job_id": self.rec.job_id})  # fmt: skip
+
+    def _start(self, env: dict[str, str]) -> None:
+        """Every training node's torchrun (the rendezvous on the first node's endpoint), and
+        the job's watchdog in the first node's actor."""
+        import ray
+
+        trainers = self.trainers
         endpoint = None
-        trainers = sorted(lb for lb in self.actors if lb.startswith("torchrun-"))
         if len(trainers) > 1:
             endpoint = ray.get(self.actors["torchrun-0"].endpoint.remote(), timeout=30)
         starts = [self.actors[lb].start.remote(runner_argv(self.plan, lb, endpoint), env)
@@ -442,34 +423,6 @@ class Watch(ClusterWatch):
         if trainers and self.plan.watchdog > 0:
             # In the job, not in this areal: a detached or orphaned job is watched too.
             ray.get(self.actors["torchrun-0"].watch.remote(len(trainers)), timeout=60)
-        self.rec.state = "starting" if self.plan.servers else "running"
-        records.write(self.home, self.rec)
-        nodes = sorted({w["ip"] for w in self.where.values()})
-        self.on_event("submitted", {"what": f"Ray job {self.rec.job_id} on {', '.join(nodes)}",
-                                    "job_id": self.rec.job_id})  # fmt: skip
-        n = len(self.plan.servers)
-        deadline = time.monotonic() + self.plan.health_timeout + 30.0
-        while len(self.ready) < n:
-            self._check_stop()
-            self._read_ready()
-            failed = next((i for i in range(n) if i not in self.ready
-                           and self._exit_code(f"server-{i}") is not None), None)  # fmt: skip
-            if failed is not None:
-                self._fail(failed)
-            self._check_actors()
-            if time.monotonic() > deadline:
-                self._cancel("not ready in time")
-                raise WaitTimeout(
-                    f"{n - len(self.ready)} server(s) of Ray job {self.rec.job_id} not "
-                    f"registered after {self.plan.health_timeout:g}s",
-                    hint=f"areal logs {self.rec.name} --role server",
-                )
-            if len(self.ready) < n:
-                time.sleep(0.05)
-        if n:
-            self.rec.state = "running"
-            records.write(self.home, self.rec)
-            self.on_event("ready", {"servers": [self.ready[i]["addr"] for i in sorted(self.ready)]})
 
     def _placed(self, deadline: float) -> None:
         """Until Ray placed every actor (the group first: all its bundles or none). What it
@@ -480,134 +433,99 @@ class Watch(ClusterWatch):
         pending = {lb: a.where.remote() for lb, a in self.actors.items()}
         group_ready = self.group.ready() if self.group is not None else None
         while pending:
-            self._check_stop()
+            self.life.check_stop()
             refs = list(pending.values()) + ([group_ready] if group_ready is not None else [])
             done, _ = ray.wait(refs, num_returns=len(refs), timeout=0.2)
             for lb, ref in list(pending.items()):
                 if ref in done:
-                    try:
-                        self.where[lb] = ray.get(ref)
-                    except Exception as e:
-                        self._cancel("an actor failed to start")
-                        raise LaunchError(f"{lb}'s actor failed on the Ray cluster: {e}") from None
-                    self.rec.node_ids[lb] = self.where[lb]["node_id"]
-                    self.rec.nodes = sorted({w["ip"] for w in self.where.values()})
+                    self._landed(lb, ref)
                     del pending[lb]
             if group_ready is not None and group_ready in done:
                 group_ready = None
             if not pending:
                 break
             waiting = sorted(pending)
-            self.on_progress(f"Ray job {self.rec.job_id}: waiting for resources for "
-                             f"{', '.join(waiting)}")  # fmt: skip
+            self.life.on_progress(f"Ray job {self.rec.job_id}: waiting for resources for "
+                                  f"{', '.join(waiting)}")  # fmt: skip
             if time.monotonic() > deadline:
-                free = "; ".join(n.describe() for n in cluster.nodes())
-                need = []
-                if group_ready is not None:
-                    t = self.plan.trainers[0]
-                    need.append(f"the training placement group ({t.nodes} bundle(s) of "
-                                f"{cluster.words(t.resources)}, {self.plan.strategy})")  # fmt: skip
-                need += [f"{lb} ({cluster.words(s.resources)})" for s in self.plan.servers
-                         if (lb := f"server-{s.index}") in pending]  # fmt: skip
-                self._cancel("not placed in time")
-                raise WaitTimeout(
-                    f"Ray could not place {' and '.join(need)} within "
-                    f"{self.plan.health_timeout:g}s; free now: {free}",
-                    hint="other jobs hold what it needs (`ray status`); stop them, ask for "
-                    "less, or raise --health-timeout",
-                )
+                self._not_placed(pending, group_ready is not None)
         records.write(self.home, self.rec)
 
-    def until_end(self) -> int:
-        """Follow the job to its end (a stop tears it down). 0 when training ended well."""
-        while True:
-            self._check_stop()
-            self._check_actors()
-            trainers = [lb for lb in self.actors if lb.startswith("torchrun-")]
-            codes = {lb: self._exit_code(lb) for lb in trainers}
-            if trainers:
-                bad = {lb: c for lb, c in codes.items() if c}
-                if bad and self._restart(sorted(trainers), next(iter(bad.values()))):
-                    continue
-                if bad or all(c == 0 for c in codes.values()):
-                    return self._trainers_ended(codes)
-            for i in sorted(set(self.ready) - self.lost):
-                code = self._exit_code(f"server-{i}")
-                if code is not None:
-                    self.lost.add(i)
-                    self.on_event(
-                        "server_lost",
-                        {"label": f"server-{i}", "addr": self.ready[i]["addr"],
-                         "why": describe_exit(code),
-                         "tail": logfiles.tail(self.plan.servers[i].log_path, 20)},
-                    )  # fmt: skip
-            if not trainers and self.plan.servers and len(self.lost) == len(self.plan.servers):
-                self._end("every server exited")
-                p = self.plan.servers[0]
-                raise LaunchError(
-                    "every server exited (no replica left)",
-                    detail=tail_text(p.log_path),
-                    hint=f"full log: {p.log_path}",
-                )
-            self.stop.wait(0.3)
-
-    # -- pieces ---------------------------------------------------------------------------
-
-    def _restart(self, trainers: list[str], code: int) -> bool:
-        """A training node's torchrun failed: with --max-restarts, the doctor's root cause of
-        the attempt decides (diagnose.restart); a restart starts torchrun again in the same
-        actors, so in the same placement group, AREAL_RESTART=<n> in its environment. Each
-        decision is one line: an event, RUN/restarts.jsonl (`areal ps`) and the log folder's
-        supervisor-train.log. True when the trainers run again, or a stop came meanwhile."""
-        if self.plan.max_restarts <= 0 or self.stop.is_set():
-            return False
+    def _landed(self, label: str, ref) -> None:
         import ray
 
-        from areal_cli.diagnose import restart
-        from areal_cli.schedulers.ray import watch
+        try:
+            self.where[label] = ray.get(ref)
+        except Exception as e:
+            self.cancel("an actor failed to start")
+            raise LaunchError(f"{label}'s actor failed on the Ray cluster: {e}") from None
+        self.rec.node_ids[label] = self.where[label]["node_id"]
+        self.rec.nodes = sorted({w["ip"] for w in self.where.values()})
 
-        # The other nodes' torchrun end by themselves once their peers are gone, each with its
-        # report (the failed rank's may be there only): wait for them a while, then stop what
-        # is left. The servers of a combined job stay.
+    def _not_placed(self, pending: dict, group: bool) -> None:
+        free = "; ".join(n.describe() for n in cluster.nodes())
+        need = []
+        if group:
+            t = self.plan.trainers[0]
+            need.append(f"the training placement group ({t.nodes} bundle(s) of "
+                        f"{cluster.words(t.resources)}, {self.plan.strategy})")  # fmt: skip
+        need += [f"{lb} ({cluster.words(s.resources)})" for s in self.plan.servers
+                 if (lb := f"server-{s.index}") in pending]  # fmt: skip
+        self.cancel("not placed in time")
+        raise WaitTimeout(
+            f"Ray could not place {' and '.join(need)} within "
+            f"{self.plan.health_timeout:g}s; free now: {free}",
+            hint="other jobs hold what it needs (`ray status`); stop them, ask for "
+            "less, or raise --health-timeout",
+        )
+
+    def look_starting(self) -> None:
+        self._check_actors()
+
+    def look(self) -> int | None:
+        self._check_actors()
+        trainers = self.trainers
+        if not trainers:
+            return None
+        codes = {lb: self.exit_code(lb) for lb in trainers}
+        bad = {lb: c for lb, c in codes.items() if c}
+        if bad and self.life.restart(next(iter(bad.values()))):
+            return None
+        if bad or all(c == 0 for c in codes.values()):
+            return self._trainers_ended(codes)
+        return None
+
+    def servers_gone(self) -> None:
+        self._end("every server exited")
+        p = self.plan.servers[0]
+        raise LaunchError(
+            "every server exited (no replica left)",
+            detail=tail_text(p.log_path),
+            hint=f"full log: {p.log_path}",
+        )
+
+    # -- restarts -------------------------------------------------------------------------
+
+    def stop_trainers(self) -> None:
+        """The other nodes' torchrun end by themselves once their peers are gone, each with
+        its report (the failed rank's may be there only): wait for them a while, then stop
+        what is left. The servers of a combined job stay."""
+        trainers = self.trainers
         deadline = time.monotonic() + PEERS_END
-        while any(self._exit_code(lb) is None for lb in trainers) and not self.stop.is_set():
+        stop = self.life.stop
+        while any(self.exit_code(lb) is None for lb in trainers) and not stop.is_set():
             if time.monotonic() > deadline:
                 break
-            self.stop.wait(0.1)
+            stop.wait(0.1)
         watch.stop_trainers(self.plan.marker, len(trainers))
-        log_dir = Path(self.plan.log_dir)
-        logs = sorted(str(p) for p in log_dir.glob("torchrun-*.log"))
-        past = restart.read_log(self.run)
-        failure = restart.diagnose(log_dir, logs, exit_what=describe_exit(code))
-        decision = restart.decide(
-            failure, sum(1 for d in past if d.get("restart")), self.plan.max_restarts,
-            self.plan.restart_on, restart.previous_failure(past),
-        )  # fmt: skip
-        try:
-            restart.append_log(self.run, decision)
-            with open(log_dir / "supervisor-train.log", "a") as f:
-                f.write(f"{time.strftime('%H:%M:%S')} {decision.line}\n")
-        except OSError:
-            pass  # a full disk: the event still says it
-        self.on_event("restart", decision.to_json())
-        if self.stop.is_set():
-            return True  # Ctrl-C or areal stop during the restart: the next check stops the job
-        if not decision.restart:
-            return False
-        restart.archive_logs(log_dir, decision.attempt)
-        for lb in trainers:
+
+    def start_trainers(self, attempt: int) -> None:
+        """torchrun again in the same actors, so in the same placement group."""
+        for lb in self.trainers:
             (self.run / f"{lb}.exit").unlink(missing_ok=True)
         env = {**forwarded_env(), "AREAL_HOME": self.plan.home}
-        env[restart.ENV] = str(decision.attempt)
-        endpoint = None
-        if len(trainers) > 1:
-            endpoint = ray.get(self.actors["torchrun-0"].endpoint.remote(), timeout=30)
-        starts = [self.actors[lb].start.remote(runner_argv(self.plan, lb, endpoint), env)
-                  for lb in trainers]  # fmt: skip
-        ray.get(starts, timeout=60)
-        if self.plan.watchdog > 0:
-            ray.get(self.actors["torchrun-0"].watch.remote(len(trainers)), timeout=60)
-        return True
+        env[restart.ENV] = str(attempt)
+        self._start(env)
 
     def _check_actors(self) -> None:
         """An actor that died was killed from Ray's side (`ray kill`, its node lost; a Step
@@ -618,18 +536,17 @@ class Watch(ClusterWatch):
         dead = dead_actors(self.rec)
         if not dead:
             return
-        self._check_stop()  # an `areal stop` elsewhere kills actors too: that is no fault
+        self.life.check_stop()  # an `areal stop` elsewhere kills actors too: that is no fault
         what = "; ".join(f"{lb} on {self.where.get(lb, {}).get('ip', '?')}: {why}"
                          for lb, why in sorted(dead.items()))  # fmt: skip
         self.rec.state, self.rec.message = "killed", f"{KILLED_BY_RAY}: {what}"
-        self.close()
+        self.life.close()
         teardown(self.rec, self.home, grace=2.0)
         finish(self.rec, self.home)
         raise LaunchError(f"Ray job {self.rec.job_id}: actor {what} ({KILLED_BY_RAY})",
                           hint=f"`areal logs {self.rec.name}` shows how far it got")  # fmt: skip
 
-    def _check_stop(self) -> None:
-        self._stop_if_asked()
+    def check_stop(self) -> None:
         on_disk = records.read(records.path(self.home, self.rec.experiment, self.rec.trial,
                                             self.rec.kind))  # fmt: skip
         if (
@@ -639,18 +556,19 @@ class Watch(ClusterWatch):
             and on_disk.message == STOPPED_BY_AREAL
         ):
             # `areal stop` from elsewhere: it tears the job down; this areal reports it.
-            self.close()
-            self.rec.__dict__.update(on_disk.__dict__)
-            self.on_event("stopping", {"state": "stopped"})
+            self.life.close()
+            for name, value in on_disk.to_json().items():
+                setattr(self.rec, name, value)
+            self.life.on_event("stopping", {"state": "stopped"})
             raise Stopped(143)
 
-    def _cancel(self, reason: str) -> None:
-        self.close()
+    def cancel(self, reason: str) -> None:
+        self.life.close()
         cancel(self.rec, self.home, 30.0, reason)
         finish(self.rec, self.home)
 
     def _end(self, why: str) -> None:
-        self.close()
+        self.life.close()
         self.rec.state, self.rec.message = "failed", why
         teardown(self.rec, self.home, grace=5.0)
         finish(self.rec, self.home)
@@ -658,7 +576,7 @@ class Watch(ClusterWatch):
     def _trainers_ended(self, codes: dict[str, int | None]) -> int:
         bad = {lb: c for lb, c in codes.items() if c}
         # One node's torchrun failing ends the others (root cause first, no silent hang).
-        self.close()
+        self.life.close()
         self.rec.state = "failed" if bad else "stopped"
         self.rec.exit_code = next(iter(bad.values()), 0)
         code = self.rec.exit_code
@@ -666,14 +584,9 @@ class Watch(ClusterWatch):
             teardown(self.rec, self.home, grace=5.0)
             stalled = _failed_by_watchdog(self.rec) if bad else None
             if stalled is not None:
-                self.on_event("trainer_exit", {"label": "torchrun", "code": 1})
-                raise LaunchError(
-                    self.rec.message,
-                    detail=f"no rank progressed for {stalled.get('seconds', 0):g}s",
-                    hint=f"the stacks, flight recorder dumps and last log lines: "
-                    f"{stalled.get('bundle')}",
-                )
-            self.on_event("trainer_exit", {"label": "torchrun", "code": code})
+                self.life.on_event("trainer_exit", {"label": "torchrun", "code": 1})
+                raise watchdog_failure(stalled, self.rec.message)
+            self.life.on_event("trainer_exit", {"label": "torchrun", "code": code})
             if not bad:
                 self.rec.message = "ended"
                 return 0
@@ -684,19 +597,6 @@ class Watch(ClusterWatch):
             finish(self.rec, self.home)
 
     def _trainer_failure(self, code: int) -> LaunchError:
-        log_dir = Path(self.plan.log_dir)
-        logs = sorted(str(p) for p in log_dir.glob("torchrun-*.log"))
-        rank, rank_code, died_of, hint, node = explain_failure(log_dir, logs)
-        if rank is None:
-            log = logs[0] if logs else str(self.run / "torchrun-0.out")
-            return LaunchError(f"torchrun failed: {describe_exit(code)}",
-                               detail=tail_text(log), hint=f"full log: {log}")  # fmt: skip
-        where = f" on node {node}" if node else ""
-        log = str(log_dir / f"rank-{rank}.log")
-        died_of = f"; {died_of}" if died_of else ""
-        return LaunchError(
-            f"rank-{rank}{where} failed: "
-            f"{describe_exit(rank_code if rank_code is not None else code)}{died_of}",
-            detail=tail_text(log),
-            hint=f"full log: {log}" + (f"; {hint}" if hint else ""),
-        )
+        # The node a rank ran on is in its report (each node's torchrun log).
+        return trainer_failure(self.plan.log_dir, code, str(self.run / "torchrun-0.out"),
+                               lambda rank: None)  # fmt: skip

@@ -20,7 +20,7 @@ from areal_cli.registry import Registry
 from areal_cli.schedulers import cluster_plan
 from areal_cli.schedulers.cluster_plan import ClusterPlan
 from areal_cli.schedulers.common import opened
-from areal_cli.schedulers.ray import records
+from areal_cli.schedulers.ray import cluster, records
 from areal_cli.spec import JobSpec, ProcessPlan
 
 PLAN_FILE = "plan.json"
@@ -73,8 +73,6 @@ def group_name(marker: str) -> str:
 
 def plan(spec: JobSpec, home: Path, registry: Registry | str, address: str,
          check_packages: bool = True) -> RayPlan:  # fmt: skip
-    from areal_cli.schedulers.ray import cluster
-
     cluster.connect(address)
     nodes = cluster.nodes()
     with_gpus = any(n.total.get("GPU") for n in nodes)
@@ -89,11 +87,6 @@ def plan(spec: JobSpec, home: Path, registry: Registry | str, address: str,
         job_id=fields["marker"][-8:],
         with_gpus=with_gpus,
         nodes_seen=[n.describe() for n in nodes],
-        watchdog=spec.watchdog if spec.trainer else 0.0,
-        watchdog_action=spec.watchdog_action,
-        watchdog_auto=spec.watchdog_auto,
-        max_restarts=spec.max_restarts if spec.trainer else 0,
-        restart_on=spec.restart_on,
     )
     if spec.servers:
         _plan_servers(p, spec, check_packages)
@@ -160,8 +153,6 @@ def _plan_trainer(p: RayPlan, spec: JobSpec, nodes, registry) -> None:
 def check_feasible(p: RayPlan, nodes) -> None:
     """What no node of the cluster could ever hold, however long one waits: exit 2 now,
     naming what is missing and what each node has."""
-    from areal_cli.schedulers.ray import cluster
-
     have = "; ".join(n.describe() for n in nodes) or "no live node"
     for s in p.servers:
         if not any(cluster.fits(s.resources, n.total) for n in nodes):

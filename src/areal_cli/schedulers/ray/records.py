@@ -12,17 +12,25 @@ state seen and the outcome.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from areal_cli.schedulers.job_records import ClusterRecord, JobRecords
 
 
-@dataclass
 class RayRecord(ClusterRecord):
-    address: str = ""
-    actors: list[str] = field(default_factory=list)  # their names, namespace areal
-    group: str | None = None  # the training nodes' placement group
-    node_ids: dict[str, str] = field(default_factory=dict)  # label -> Ray node id
+    __slots__ = ("address", "actors", "group", "node_ids")
+
+    def __init__(
+        self,
+        *args,
+        address: str = "",
+        actors: list[str] | None = None,  # their names, namespace areal
+        group: str | None = None,  # the training nodes' placement group
+        node_ids: dict[str, str] | None = None,  # label -> Ray node id
+        **fields,
+    ):
+        super().__init__(*args, **fields)
+        self.address, self.group = address, group
+        self.actors = [] if actors is None else actors
+        self.node_ids = {} if node_ids is None else node_ids
 
 
 _records = JobRecords("ray", RayRecord)

@@ -4,7 +4,7 @@
     script.py   the batch script (what --dry-run prints)
     job.py      submit, watch (squeue, the runners' files), the outcome, the cleanup
     records.py  records of submitted jobs in AREAL_HOME
-    cluster.py  sbatch, squeue --json, scancel, sinfo, scontrol
+    cluster.py  sbatch, squeue --json, scancel, sinfo, scontrol, srun into a running job
 
 Each server replica is a job step running the replica runner (launchers/replica.py) on its
 node: it binds the node's address, health-gates the server and registers it with its Slurm job,
@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from areal_cli import settings
-from areal_cli.errors import UsageError
+from areal_cli.errors import ArealError, UsageError
 from areal_cli.schedulers.api import LIVE, Handle, RunOpt, ServerStatus, StopResult
 from areal_cli.schedulers.cluster import ClusterScheduler, ended_rows, server_row
 
@@ -41,7 +41,6 @@ class SlurmScheduler(ClusterScheduler):
     # -- hooks of ClusterScheduler ----------------------------------------------------------
 
     def _refresh(self, recs: list) -> None:
-        from areal_cli.errors import ArealError
         from areal_cli.schedulers.slurm import cluster, job
 
         try:
@@ -74,7 +73,7 @@ class SlurmScheduler(ClusterScheduler):
 
     def _stall(self, rec) -> dict | None:
         """The last stall the job's watchdog diagnosed (it runs in the batch job)."""
-        from areal_cli.schedulers.slurm.watch import read_stall
+        from areal_cli.schedulers.lifecycle import read_stall
 
         return read_stall(rec.run_dir) if rec.kind != "serve" else None
 
@@ -92,36 +91,9 @@ class SlurmScheduler(ClusterScheduler):
     ) -> dict[str, tuple[str | None, str | None]]:
         """node → (stdout, why not) of a short command run on each node of the job at once,
         each by `srun --overlap` into the job (its het group for a heterogeneous job)."""
-        import subprocess
-        from concurrent.futures import ThreadPoolExecutor
+        from areal_cli.schedulers.slurm import cluster
 
-        groups = _het_groups(job_id)
-
-        def one(node: str) -> tuple[str | None, str | None]:
-            # The node's name in areal's terms, as its steps have it (slurm/step.py).
-            argv = ["srun", "--overlap", f"--jobid={job_id}", "-w", node, "--nodes=1",
-                    "--ntasks=1", "--quiet", f"--export=ALL,AREAL_NODE_NAME={node}",
-                    *commands[node]]  # fmt: skip
-            if node in groups:
-                argv.insert(3, f"--het-group={groups[node]}")
-            try:
-                res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                                     check=False)  # fmt: skip
-            except subprocess.TimeoutExpired:
-                return None, f"no answer from node {node} within {timeout:g}s"
-            except OSError as e:
-                return None, f"cannot run srun: {e}"
-            if res.stdout.strip():
-                return res.stdout, None
-            from areal_cli.schedulers.slurm.cluster import slurm_message
-
-            why = (
-                slurm_message(res.stderr) if res.stderr.strip() else f"srun exited {res.returncode}"
-            )
-            return None, f"node {node} cannot be reached: {why}"
-
-        with ThreadPoolExecutor(max_workers=max(1, len(commands))) as ex:
-            return dict(zip(commands, ex.map(one, commands), strict=True))
+        return cluster.run_on_nodes(job_id, commands, timeout)
 
     # -- stop -----------------------------------------------------------------------------
 
@@ -141,12 +113,6 @@ class SlurmScheduler(ClusterScheduler):
         cancelled = f"Slurm job {rec.job_id}" if was_running else None
         return StopResult(rec.name, was_running, int(was_running), deregistered, cancelled,
                           left=left)  # fmt: skip
-
-
-def _het_groups(job_id: str) -> dict[str, int]:
-    from areal_cli.schedulers.slurm.cluster import het_groups
-
-    return het_groups(job_id)
 
 
 def _replica_order(rec) -> dict[str, int]:

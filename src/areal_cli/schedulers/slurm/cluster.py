@@ -13,10 +13,11 @@ import os
 import re
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from areal_cli import settings
-from areal_cli.errors import LaunchError, UsageError, WaitTimeout
+from areal_cli.errors import ArealError, LaunchError, UsageError, WaitTimeout
 
 # Slurm's job states (squeue) in our words (schedulers.api LIVE / ENDED).
 STATES = {
@@ -352,8 +353,6 @@ def version() -> str | None:
 
 def het_groups(job_id: str) -> dict[str, int]:
     """node → its component, for a heterogeneous job (srun reaches it with --het-group)."""
-    from areal_cli.errors import ArealError
-
     try:
         info = jobs([job_id]).get(job_id)
     except ArealError:
@@ -376,3 +375,33 @@ def down_nodes(nodes: list[str]) -> list[str]:
         ):
             out.append(node)
     return sorted(set(out))
+
+
+def run_on_nodes(
+    job_id: str, commands: dict[str, list[str]], timeout: float
+) -> dict[str, tuple[str | None, str | None]]:
+    """node → (stdout, why not) of a short command run on each node of the job at once,
+    each by `srun --overlap` into the job (its het group for a heterogeneous job)."""
+    groups = het_groups(job_id)
+
+    def one(node: str) -> tuple[str | None, str | None]:
+        # The node's name in areal's terms, as its steps have it (slurm/step.py).
+        argv = ["srun", "--overlap", f"--jobid={job_id}", "-w", node, "--nodes=1",
+                "--ntasks=1", "--quiet", f"--export=ALL,AREAL_NODE_NAME={node}",
+                *commands[node]]  # fmt: skip
+        if node in groups:
+            argv.insert(3, f"--het-group={groups[node]}")
+        try:
+            res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                                 check=False)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return None, f"no answer from node {node} within {timeout:g}s"
+        except OSError as e:
+            return None, f"cannot run srun: {e}"
+        if res.stdout.strip():
+            return res.stdout, None
+        why = slurm_message(res.stderr) if res.stderr.strip() else f"srun exited {res.returncode}"
+        return None, f"node {node} cannot be reached: {why}"
+
+    with ThreadPoolExecutor(max_workers=max(1, len(commands))) as ex:
+        return dict(zip(commands, ex.map(one, commands), strict=True))

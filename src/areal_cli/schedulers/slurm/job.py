@@ -15,26 +15,33 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from areal_cli import apikeys, logfiles, settings
+from areal_cli import apikeys, logfiles, schedulers, settings
 from areal_cli.errors import ArealError, LaunchError, UsageError, WaitTimeout
+from areal_cli.registry import open_registry
+from areal_cli.schedulers import lifecycle
 from areal_cli.schedulers.api import ENDED, LIVE, Stopped
 from areal_cli.schedulers.cluster import (
-    ClusterWatch,
     SlotLock,
     clash,
-    deregister_servers,
     ended_replicas,
-    leave_nothing,
     private_file,
     read_code,
     refusal,
     reread,
 )
-from areal_cli.schedulers.common import describe_exit, explain_failure, tail_text
+from areal_cli.schedulers.cluster_live import deregister_servers, leave_nothing
+from areal_cli.schedulers.common import describe_exit, tail_text
+from areal_cli.schedulers.lifecycle import (
+    Lifecycle,
+    failed_by_watchdog,
+    headline,
+    trainer_failure,
+    watchdog_failure,
+)
 from areal_cli.schedulers.slurm import cluster, records
 from areal_cli.schedulers.slurm.planner import SlurmPlan
 from areal_cli.schedulers.slurm.records import SlurmRecord
-from areal_cli.schedulers.slurm.script import PLAN_FILE, TRAINER_ENV_FILE
+from areal_cli.schedulers.slurm.script import PLAN_FILE, TRAINER_ENV_FILE, supervisor_log
 
 POLL = 0.2  # seconds between squeue calls while waiting (each costs the controller an RPC)
 STOPPED_BY_AREAL = "stopped by areal stop"
@@ -99,8 +106,6 @@ def submit(plan: SlurmPlan, home: Path, world_size: int) -> SlurmRecord:
 def refuse_if_running(home: Path, plan: SlurmPlan) -> None:
     """A serving and a training job may share E/T; a second of the same kind may not, on this
     scheduler or any other."""
-    from areal_cli import schedulers
-
     mine = records.load(home, plan.experiment, plan.trial)
     refresh(mine, home)
     found = [(r.kind, f"Slurm job {r.job_id}, {r.state}") for r in mine if r.live]
@@ -180,13 +185,11 @@ def finish(
     """The job has ended: nothing of it stays in discovery, nothing of it runs on this host,
     the record says how it ended. Returns the registry entries removed; what could not be
     removed is told in `left`."""
-    from areal_cli.schedulers.slurm import watch
-
-    stalled = watch.failed_by_watchdog(rec.run_dir)
+    stalled = failed_by_watchdog(rec.run_dir)
     if stalled is not None and (rec.message is None or rec.message.startswith("ended (")):
         # --watchdog-action fail ended it: that stall is why, not the step's exit code.
         rec.state, rec.exit_code = "failed", 1
-        rec.message = f"watchdog: {watch.headline(stalled)}"
+        rec.message = f"watchdog: {headline(stalled)}"
     if info is not None and rec.message is None:
         rec.message = {
             "cancelled": "cancelled outside areal (scancel, or an administrator)",
@@ -222,92 +225,38 @@ def cancel(rec: SlurmRecord, home: Path, timeout: float, reason: str) -> cluster
     return info
 
 
-# -- watching one job from `areal` -----------------------------------------------------------
+# -- following one job from `areal` --------------------------------------------------------
 
 
-class Watch(ClusterWatch):
-    """Follows one submitted job: pending → running → servers registered → its end."""
+def follow(plan: SlurmPlan, rec: SlurmRecord, home: Path, stop: threading.Event,
+           on_event: EventFn | None = None, on_line=None, on_progress=None) -> Lifecycle:  # fmt: skip
+    """The job's lifecycle over Slurm: pending → running → servers registered → its end."""
+    return Lifecycle(Transport(plan, rec, home), stop, on_event, on_line, on_progress)
+
+
+class Transport(lifecycle.Transport):
+    """A batch job: placed and started by Slurm (squeue says when), its trainers restarted
+    inside the allocation (slurm/restart.py), ended by scancel."""
 
     plan: SlurmPlan
     rec: SlurmRecord
+    records = records
 
-    def __init__(
-        self,
-        plan: SlurmPlan,
-        rec: SlurmRecord,
-        home: Path,
-        stop: threading.Event,
-        on_event: EventFn | None = None,
-        on_line=None,
-        on_progress=None,
-    ):
-        super().__init__(plan, rec, home, stop, on_event, on_line, on_progress)
+    def __init__(self, plan: SlurmPlan, rec: SlurmRecord, home: Path):
+        super().__init__(plan, rec, home)
         self.info: cluster.JobInfo | None = None
         self.no_answer: cluster.Unreachable | None = None
-        self._told = 0  # the restart decisions already told (diagnose.restart.LOG)
+        self._last_poll = 0.0
 
-    # -- phases ---------------------------------------------------------------------------
+    @property
+    def what(self) -> str:
+        return f"Slurm job {self.rec.job_id}"
 
-    def until_ready(self) -> None:
-        """Until the job runs and every server replica registered; raises on failure, on a
-        timeout (the job cancelled) and on a stop (Stopped, the job cancelled)."""
-        self._started()
-        n = len(self.plan.servers)
-        deadline = time.monotonic() + self.plan.health_timeout + 30.0
-        last_poll = 0.0
-        while len(self.ready) < n:
-            self._check_stop()
-            self._read_ready()
-            failed = self._failed_server(set(range(n)) - set(self.ready))
-            if failed is not None:
-                self._fail(failed)
-            if time.monotonic() - last_poll > POLL * 2.5:
-                last_poll = time.monotonic()
-                if self._poll() and (self.info is None or self.info.state in ENDED):
-                    self._ended()
-            if time.monotonic() > deadline:
-                self._cancel("not ready in time")
-                raise WaitTimeout(
-                    f"{n - len(self.ready)} server(s) of Slurm job {self.rec.job_id} not "
-                    f"registered after {self.plan.health_timeout:g}s",
-                    hint=f"areal logs {self.rec.name} --role server",
-                )
-            if len(self.ready) < n:
-                time.sleep(0.05)
-        if n:
-            self.rec.state = "running"
-            records.write(self.home, self.rec)
-            self.on_event("ready", {"servers": [self.ready[i]["addr"] for i in sorted(self.ready)]})
-
-    def until_end(self) -> int:
-        """Follow the job to its end (a stop cancels it). Returns 0 when it ended well; raises
-        LaunchError (root cause first) or Stopped."""
-        while True:
-            self._check_stop()
-            self._tell_restarts()
-            if self._poll() and (self.info is None or self.info.state in ENDED):
-                self._tell_restarts()
-                return self._ended()
-            for i in sorted(set(self.ready) - self.lost):
-                code = self._exit_code(f"server-{i}")
-                if code is not None:
-                    self.lost.add(i)
-                    reap_replicas(self.rec)
-                    self.on_event(
-                        "server_lost",
-                        {"label": f"server-{i}", "addr": self.ready[i]["addr"],
-                         "why": describe_exit(code),
-                         "tail": logfiles.tail(self.plan.servers[i].log_path, 20)},
-                    )  # fmt: skip
-            self.stop.wait(0.5)
-
-    # -- pieces ---------------------------------------------------------------------------
-
-    def _started(self) -> None:
+    def place(self) -> None:
         """Until Slurm starts the job; pending longer than the health timeout cancels it."""
         deadline = time.monotonic() + self.plan.health_timeout
         while True:
-            self._check_stop()
+            self.life.check_stop()
             if not self._poll():
                 if time.monotonic() > deadline:
                     raise self.no_answer  # nothing known of the job: left as it is
@@ -319,27 +268,54 @@ class Watch(ClusterWatch):
             if info.state != "pending":
                 self.rec.state = "starting" if self.plan.servers else "running"
                 records.write(self.home, self.rec)
-                self.on_event("running", {"job_id": self.rec.job_id, "nodes": info.nodes})
+                self.life.on_event("running", {"job_id": self.rec.job_id, "nodes": info.nodes})
                 return
-            self.on_progress(f"Slurm job {self.rec.job_id} pending ({info.reason or 'queued'})")
-            if info.reason in NEVER:
-                self._cancel(f"never runnable: {info.reason}")
-                raise UsageError(
-                    f"Slurm will not run job {self.rec.job_id} as submitted (squeue: "
-                    f"{info.reason}); cancelled it",
-                    hint="check --partition, --account and --time against `sinfo` and "
-                    "`sacctmgr show assoc user=$USER`",
-                )
-            if time.monotonic() > deadline:
-                reason = info.reason or "no reason given"
-                self._cancel(f"pending longer than {self.plan.health_timeout:g}s")
-                raise WaitTimeout(
-                    f"Slurm job {self.rec.job_id} still pending after "
-                    f"{self.plan.health_timeout:g}s (squeue: {reason}); cancelled it",
-                    hint="`squeue -j JOB --start` says when it may start; ask for fewer "
-                    "resources or raise --health-timeout",
-                )
+            self._pending(info, deadline)
             time.sleep(POLL)
+
+    def _pending(self, info: cluster.JobInfo, deadline: float) -> None:
+        """Still pending: said, and cancelled when no wait will run it or the wait is over."""
+        self.life.on_progress(f"Slurm job {self.rec.job_id} pending ({info.reason or 'queued'})")
+        if info.reason in NEVER:
+            self.cancel(f"never runnable: {info.reason}")
+            raise UsageError(
+                f"Slurm will not run job {self.rec.job_id} as submitted (squeue: "
+                f"{info.reason}); cancelled it",
+                hint="check --partition, --account and --time against `sinfo` and "
+                "`sacctmgr show assoc user=$USER`",
+            )
+        if time.monotonic() > deadline:
+            reason = info.reason or "no reason given"
+            self.cancel(f"pending longer than {self.plan.health_timeout:g}s")
+            raise WaitTimeout(
+                f"Slurm job {self.rec.job_id} still pending after "
+                f"{self.plan.health_timeout:g}s (squeue: {reason}); cancelled it",
+                hint="`squeue -j JOB --start` says when it may start; ask for fewer "
+                "resources or raise --health-timeout",
+            )
+
+    def look_starting(self) -> None:
+        if time.monotonic() - self._last_poll > POLL * 2.5:
+            self._last_poll = time.monotonic()
+            if self._poll() and (self.info is None or self.info.state in ENDED):
+                self._ended()
+
+    def look(self) -> int | None:
+        self.life.tell_restarts()
+        if self._poll() and (self.info is None or self.info.state in ENDED):
+            self.life.tell_restarts()
+            return self._ended()
+        return None
+
+    def server_lost(self, index: int) -> None:
+        reap_replicas(self.rec)
+
+    def cancel(self, reason: str) -> None:
+        info = cancel(self.rec, self.home, 30.0, reason)
+        self.life.close()
+        finish(self.rec, self.home, info)
+
+    # -- pieces ---------------------------------------------------------------------------
 
     def _poll(self) -> bool:
         """squeue's word on the job; False (self.info as it was) when the controller did not
@@ -348,9 +324,11 @@ class Watch(ClusterWatch):
             self.info = cluster.jobs([self.rec.job_id]).get(self.rec.job_id)
         except cluster.Unreachable as e:
             self.no_answer = e
-            self.on_progress(f"Slurm job {self.rec.job_id}: {cluster.controller()} not answering")
+            self.life.on_progress(
+                f"Slurm job {self.rec.job_id}: {cluster.controller()} not answering"
+            )
             return False
-        if self.info is None and self._exit_code("job") is None:
+        if self.info is None and self.exit_code("job") is None:
             try:
                 if cluster.known(self.rec.job_id):
                     return False  # listed a moment later: no conclusion from this answer
@@ -364,33 +342,10 @@ class Watch(ClusterWatch):
                 self.rec.state = "starting"  # until its servers registered
         return True
 
-    def _tell_restarts(self) -> None:
-        """The batch side's restart decisions (schedulers/slurm/restart.py), each once."""
-        from areal_cli.diagnose import restart
-
-        log = restart.read_log(self.run)
-        for d in log[self._told :]:
-            self.on_event("restart", d)
-        self._told = len(log)
-
-    def _failed_server(self, indices) -> int | None:
-        for i in sorted(indices):
-            if self._exit_code(f"server-{i}") is not None:
-                return i
-        return None
-
-    def _check_stop(self) -> None:
-        self._stop_if_asked()
-
-    def _cancel(self, reason: str) -> None:
-        info = cancel(self.rec, self.home, 30.0, reason)
-        self.close()
-        finish(self.rec, self.home, info)
-
     def _ended(self) -> int:
         """The job ended on its own (or from outside): its outcome, root cause first."""
         info = self.info
-        self.close()
+        self.life.close()
         if info is not None:
             update(self.rec, info)
         else:  # squeue forgot it already
@@ -411,7 +366,7 @@ class Watch(ClusterWatch):
         if state == "CANCELLED":
             if STOPPED_BY_AREAL in (self._on_disk().message or ""):
                 self.rec.state, self.rec.message = "stopped", STOPPED_BY_AREAL
-                self.on_event("stopping", {"state": "stopped"})
+                self.life.on_event("stopping", {"state": "stopped"})
                 raise Stopped(143)  # as a local job stopped by `areal stop` (SIGTERM)
             raise LaunchError(
                 f"{job} was cancelled (not by areal: scancel, or an administrator)",
@@ -426,26 +381,19 @@ class Watch(ClusterWatch):
             raise LaunchError(f"{job} ran out of memory (Slurm: OUT_OF_MEMORY)",
                               hint="ask for more with --slurm-arg=--mem=...")  # fmt: skip
         if self.plan.trainers:
-            from areal_cli.schedulers.slurm import watch
-
-            stalled = watch.failed_by_watchdog(self.run)
+            stalled = failed_by_watchdog(self.run)
             if stalled is not None:
-                self.on_event("trainer_exit", {"label": "torchrun", "code": 1})
-                raise LaunchError(
-                    f"watchdog: {watch.headline(stalled)}",
-                    detail=f"no rank progressed for {stalled.get('seconds', 0):g}s",
-                    hint=f"the stacks, flight recorder dumps and last log lines: "
-                    f"{stalled.get('bundle')}",
-                )
-            code = self._exit_code("torchrun")
+                self.life.on_event("trainer_exit", {"label": "torchrun", "code": 1})
+                raise watchdog_failure(stalled, f"watchdog: {headline(stalled)}")
+            code = self.exit_code("torchrun")
             if code is None:
                 code = info.exit_code if info and info.exit_code is not None else 1
-            self.on_event("trainer_exit", {"label": "torchrun", "code": code})
+            self.life.on_event("trainer_exit", {"label": "torchrun", "code": code})
             if code == 0:
                 return 0
             raise self._trainer_failure(code)
         for i in range(len(self.plan.servers)):
-            code = self._exit_code(f"server-{i}")
+            code = self.exit_code(f"server-{i}")
             if code:
                 p = self.plan.servers[i]
                 raise LaunchError(
@@ -468,13 +416,9 @@ class Watch(ClusterWatch):
         return self.rec
 
     def _supervisor_log(self) -> str:
-        from areal_cli.schedulers.slurm.script import supervisor_log
-
         return supervisor_log(self.plan)
 
     def _rank_nodes(self) -> dict[int, str]:
-        from areal_cli.registry import open_registry
-
         try:
             ranks = open_registry(self.rec.registry).ranks(
                 self.rec.experiment, self.rec.trial, include_dead=True
@@ -484,23 +428,8 @@ class Watch(ClusterWatch):
         return {r.rank: r.node for r in ranks if r.marker == self.rec.marker and r.node}
 
     def _trainer_failure(self, code: int) -> LaunchError:
-        log_dir = Path(self.plan.log_dir)
-        logs = sorted(str(p) for p in log_dir.glob("torchrun-*.log"))
-        rank, rank_code, died_of, hint, node = explain_failure(log_dir, logs)
-        if rank is None:
-            log = logs[0] if logs else self._supervisor_log()
-            return LaunchError(f"torchrun failed: {describe_exit(code)}",
-                               detail=tail_text(log), hint=f"full log: {log}")  # fmt: skip
-        node = self._rank_nodes().get(rank) or node
-        where = f" on node {node}" if node else ""
-        log = str(log_dir / f"rank-{rank}.log")
-        died_of = f"; {died_of}" if died_of else ""
-        return LaunchError(
-            f"rank-{rank}{where} failed: "
-            f"{describe_exit(rank_code if rank_code is not None else code)}{died_of}",
-            detail=tail_text(log),
-            hint=f"full log: {log}" + (f"; {hint}" if hint else ""),
-        )
+        return trainer_failure(self.plan.log_dir, code, self._supervisor_log(),
+                               lambda rank: self._rank_nodes().get(rank))  # fmt: skip
 
     def _node_failure(self, info: cluster.JobInfo) -> LaunchError:
         down = cluster.down_nodes(info.nodes) or info.nodes
@@ -508,7 +437,7 @@ class Watch(ClusterWatch):
         lines = []
         for n in down:
             on = sorted(r for r, node in ranks.items() if node == n)
-            servers = [f"server-{i}" for i, r in self.ready.items() if r.get("node") == n]
+            servers = [f"server-{i}" for i, r in self.life.ready.items() if r.get("node") == n]
             what = [f"rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))}"] if on else []
             lines.append(
                 f"node {n}" + (f" ({'; '.join(what + servers)})" if what or servers else "")

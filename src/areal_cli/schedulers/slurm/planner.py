@@ -27,6 +27,7 @@ from areal_cli.schedulers.cluster_plan import ClusterPlan
 from areal_cli.schedulers.common import opened
 from areal_cli.schedulers.job_records import slot
 from areal_cli.schedulers.slurm import cluster, records
+from areal_cli.schedulers.slurm.script import render
 from areal_cli.spec import JobSpec, ProcessPlan
 
 
@@ -109,11 +110,6 @@ def plan(
         time=opts.time,
         slurm_args=list(opts.slurm_arg or ()),
         runner_python=sys.executable,
-        watchdog=spec.watchdog if spec.trainer else 0.0,
-        watchdog_action=spec.watchdog_action,
-        watchdog_auto=spec.watchdog_auto,
-        max_restarts=spec.max_restarts if spec.trainer else 0,
-        restart_on=spec.restart_on,
     )
     if spec.servers:
         _plan_servers(p, spec, part_gpus, check_packages)
@@ -126,8 +122,6 @@ def plan(
             + f"), partition {part.name} has {len(part.nodes)}",
             hint="raise --gpus-per-node to pack more on a node, or lower d/t",
         )
-    from areal_cli.schedulers.slurm.script import render
-
     p.script = render(p)
     return p
 

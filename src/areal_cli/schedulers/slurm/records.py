@@ -12,14 +12,15 @@ the record keeps the last state seen and the outcome.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from areal_cli.schedulers.job_records import ClusterRecord, JobRecords
 
 
-@dataclass
 class SlurmRecord(ClusterRecord):
-    slurm_state: str = "PENDING"
+    __slots__ = ("slurm_state",)
+
+    def __init__(self, *args, slurm_state: str = "PENDING", **fields):
+        super().__init__(*args, **fields)
+        self.slurm_state = slurm_state
 
 
 _records = JobRecords("slurm", SlurmRecord)

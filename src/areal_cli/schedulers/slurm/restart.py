@@ -15,13 +15,13 @@ import sys
 import time
 from pathlib import Path
 
+from areal_cli.diagnose import restart
+from areal_cli.schedulers.common import describe_exit
+from areal_cli.schedulers.slurm.planner import SlurmPlan
+from areal_cli.schedulers.slurm.script import PLAN_FILE
+
 
 def main(argv: list[str] | None = None) -> int:
-    from areal_cli.diagnose import restart
-    from areal_cli.schedulers.common import describe_exit
-    from areal_cli.schedulers.slurm.planner import SlurmPlan
-    from areal_cli.schedulers.slurm.script import PLAN_FILE
-
     run, code = argv if argv is not None else sys.argv[1:]
     run = Path(run)
     plan = SlurmPlan.from_json(json.loads((run / PLAN_FILE).read_text()))

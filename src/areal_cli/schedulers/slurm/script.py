@@ -29,8 +29,25 @@ def supervisor_log(plan: SlurmPlan) -> str:
 
 
 def render(plan: SlurmPlan) -> str:
-    servers = plan.servers
-    trainers = plan.trainers
+    """The batch script: its #SBATCH header, the shell's setup, a step per server replica,
+    then the trainers' step (in a loop of attempts with --max-restarts), or the wait for the
+    servers of a serving job."""
+    het = len(plan.components) > 1
+    lines = _header(plan) + _setup(plan)
+    for p in plan.servers:
+        lines += _step(
+            f"server-{p.index}",
+            _srun(p, het, exact=True),
+            [*_IN_STEP, "step", "areal_cli.launchers.replica", f"$RUN/{PLAN_FILE}", "--index", str(p.index)],
+        )  # fmt: skip
+    lines += _trainers(plan, het) if plan.trainers else _serving_end()
+    lines += ['echo "$code" > "$RUN/job.exit"', 'exit "$code"', ""]
+    return "\n".join(lines)
+
+
+def _header(plan: SlurmPlan) -> list[str]:
+    """What the job is, in a comment, and its #SBATCH options: one block per component."""
+    servers, trainers = plan.servers, plan.trainers
     what = []
     if servers:
         what.append(f"{len(servers)} {servers[0].backend} server(s)")
@@ -45,7 +62,6 @@ def render(plan: SlurmPlan) -> str:
         f"#SBATCH --output={supervisor_log(plan)}",
         "#SBATCH --no-requeue",
     ]
-    het = len(plan.components) > 1
     for i, comp in enumerate(plan.components):
         if i:
             lines.append("#SBATCH hetjob")
@@ -61,7 +77,12 @@ def render(plan: SlurmPlan) -> str:
         if comp.gpus_per_node:
             lines.append(f"#SBATCH --gres=gpu:{comp.gpus_per_node}")
         lines += [f"#SBATCH {arg}" for arg in plan.slurm_args]
-    lines += [
+    return lines
+
+
+def _setup(plan: SlurmPlan) -> list[str]:
+    """The job's marker and names in the environment, and the `step` function."""
+    return [
         "",
         "shopt -s nullglob",
         f"export AREAL_JOB_MARKER={shlex.quote(plan.marker)}",
@@ -73,13 +94,13 @@ def render(plan: SlurmPlan) -> str:
         'step() { local label=$1; shift; "$@"; echo $? > "$RUN/$label.exit"; }',
         "",
     ]
-    for p in servers:
-        lines += _step(
-            f"server-{p.index}",
-            _srun(p, het, exact=True),
-            [*_IN_STEP, "step", "areal_cli.launchers.replica", f"$RUN/{PLAN_FILE}", "--index", str(p.index)],
-        )  # fmt: skip
-    restarts = bool(trainers) and plan.max_restarts > 0
+
+
+def _trainers(plan: SlurmPlan, het: bool) -> list[str]:
+    """The torchrun step and its watchdog, waited on; with --max-restarts, in a loop whose
+    every failed attempt the doctor's root cause decides on (slurm/restart.py)."""
+    lines: list[str] = []
+    restarts = plan.max_restarts > 0
     if restarts:
         lines += [
             f"# --max-restarts {plan.max_restarts}: after a failed attempt the doctor's root "
@@ -88,7 +109,7 @@ def render(plan: SlurmPlan) -> str:
             "environment.",
             "while :; do",
         ]
-    for p in trainers:
+    for p in plan.trainers:
         runner = [*_IN_STEP, "job", "areal_cli.launchers.torchrun", "--log-dir", plan.log_dir]
         runner += ["--own-log", "torchrun-{node}.log", "--env-file", f"$RUN/{TRAINER_ENV_FILE}"]
         if p.nodes > 1:
@@ -123,16 +144,18 @@ def render(plan: SlurmPlan) -> str:
             f'rm -f "$RUN/torchrun.exit" "$RUN/{RENDEZVOUS_FILE}"',
             "done",
         ]
-    if not trainers:
-        lines += [
-            "",
-            "# Serving ends when every replica has: the first failure is the job's code.",
-            "wait",
-            "code=0",
-            'for f in "$RUN"/server-*.exit; do c=$(<"$f"); [ "$c" = 0 ] || { code=$c; break; }; done',
-        ]
-    lines += ['echo "$code" > "$RUN/job.exit"', 'exit "$code"', ""]
-    return "\n".join(lines)
+    return lines
+
+
+def _serving_end() -> list[str]:
+    """A serving job's end: once every replica's has, the first failure is its code."""
+    return [
+        "",
+        "# Serving ends when every replica has: the first failure is the job's code.",
+        "wait",
+        "code=0",
+        'for f in "$RUN"/server-*.exit; do c=$(<"$f"); [ "$c" = 0 ] || { code=$c; break; }; done',
+    ]
 
 
 def _srun(p: SlurmProcess, het: bool, exact: bool) -> list[str]:

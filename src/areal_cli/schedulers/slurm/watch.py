@@ -22,31 +22,15 @@ import sys
 import time
 from pathlib import Path
 
+from areal_cli import request_errors
+from areal_cli.diagnose import watchdog
 from areal_cli.errors import ArealError
-
-STALL_FILE = "watchdog.json"
-FAIL_FILE = "watchdog.fail"
-
-
-def read_stall(run_dir: str | Path) -> dict | None:
-    """The last stall the job's watchdog diagnosed, as it left it in the run folder."""
-    try:
-        return json.loads((Path(run_dir) / STALL_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def failed_by_watchdog(run_dir: str | Path) -> dict | None:
-    """The stall that ended the job (--watchdog-action fail), or None."""
-    if not (Path(run_dir) / FAIL_FILE).exists():
-        return None
-    return read_stall(run_dir)
-
-
-def headline(stall: dict) -> str:
-    odd = stall.get("odd_ranks") or []
-    odd_s = f" (odd ranks {','.join(map(str, odd))})" if odd else ""
-    return f"{stall.get('kind') or 'no verdict'}{odd_s}: {stall.get('summary') or ''}"
+from areal_cli.files import write_atomic
+from areal_cli.schedulers.cluster_live import servers_by_node
+from areal_cli.schedulers.lifecycle import FAIL_FILE, STALL_FILE
+from areal_cli.schedulers.slurm import SlurmScheduler, cluster
+from areal_cli.schedulers.slurm.planner import SlurmPlan
+from areal_cli.schedulers.slurm.script import PLAN_FILE
 
 
 def _stop_step(trainer: int) -> None:
@@ -72,12 +56,6 @@ def _stop_step(trainer: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from areal_cli.diagnose import watchdog
-    from areal_cli.files import write_atomic
-    from areal_cli.schedulers.slurm import SlurmScheduler, cluster
-    from areal_cli.schedulers.slurm.planner import SlurmPlan
-    from areal_cli.schedulers.slurm.script import PLAN_FILE
-
     args = sys.argv[1:] if argv is None else argv
     run, trainer = Path(args[0]), int(args[1])
     plan = SlurmPlan.from_json(json.loads((run / PLAN_FILE).read_text()))
@@ -110,9 +88,6 @@ def main(argv: list[str] | None = None) -> int:
             except (OSError, ArealError):
                 pass  # the trainers are stopped all the same
             _stop_step(trainer)
-
-    from areal_cli import request_errors
-    from areal_cli.schedulers.cluster import servers_by_node
 
     dog = watchdog.watch_nodes(
         plan.watchdog, plan.log_dir, job_id=job_id, nodes=nodes, marker=plan.marker,
