@@ -138,18 +138,11 @@ def config_keys(command) -> dict[str, str]:
     return keys
 
 
-def config_keys_attr(command: str):
-    """A command module's __getattr__ that answers CONFIG_KEYS, config_keys of its command
-    as the CLI builds it (built on first use: the CLI imports the module first)."""
+def yaml_keys(command: str) -> dict[str, str]:
+    """config_keys of `command` ("serve", "train") as the CLI builds it."""
+    from areal_cli._app import _load  # the CLI's builder: it imports this module
 
-    def __getattr__(name: str):
-        if name == "CONFIG_KEYS":
-            from areal_cli._app import _load
-
-            return config_keys(_load(command))
-        raise AttributeError(f"module of {command!r} has no attribute {name!r}")
-
-    return __getattr__
+    return config_keys(_load(command))
 
 
 def _kind(param) -> str:

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from areal_cli import console
 from areal_cli.commands.doctor_hang import print_report
-from areal_cli.diagnose import allreduce, hang
+from areal_cli.diagnose import allreduce, hang_judge
 
 
 def register(app: typer.Typer) -> None:
@@ -103,7 +103,7 @@ def _print_outcome(result) -> None:
         console.out.print(f"[bold]avg busbw[/] {result.avg_busbw:.3f} GB/s · #wrong {result.wrong}")
     if result.timed_out:
         if result.hang_reports:
-            print_report(console.out, hang.primary(result.hang_reports))
+            print_report(console.out, hang_judge.primary(result.hang_reports))
         elif result.hang_error:
             console.err.print(f"[red]hang diagnosis failed:[/] {result.hang_error}")
 

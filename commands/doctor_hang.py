@@ -85,11 +85,12 @@ def run(
         torch_analyzer=bool(out_dir),  # seconds of torch's import: for the bundle only
     )
     from areal_cli import console, settings
+    from areal_cli.diagnose import hang_judge  # loaded already: the dumps' judge
 
-    hang.note_refused(reports, settings.registry_url())
-    written = hang.write_bundle(reports, out_dir) if out_dir else []
+    hang_judge.note_refused(reports, settings.registry_url())
+    written = hang_judge.write_bundle(reports, out_dir) if out_dir else []
     if json_out:
-        data = hang.to_json(reports)
+        data = hang_judge.to_json(reports)
         data["timing"]["find_s"] = round(find_s, 4)
         if out_dir:
             data["out"] = str(out_dir)

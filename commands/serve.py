@@ -8,7 +8,6 @@ from areal_cli import jobspec
 
 from ._common import (
     asked,
-    config_keys_attr,
     job_command,
     launch,
     scheduler_for,
@@ -28,10 +27,6 @@ Examples:
   areal serve --model /models/m --dp 2 --tp 2 --dry-run  # print the plan only
   areal serve --backend vllm --model /models/m -- --max-model-len 4096
 """
-
-
-# CONFIG_KEYS: the job YAML's keys and their kinds, read off the options below.
-__getattr__ = config_keys_attr("serve")
 
 
 def register(app: typer.Typer) -> None:

@@ -11,7 +11,6 @@ from areal_cli.diagnose.watchdog import AUTO
 
 from ._common import (
     asked,
-    config_keys_attr,
     job_command,
     launch,
     scheduler_for,
@@ -36,10 +35,6 @@ Examples:
   areal train -a fsdp:d2 --areal-overrides --python $PY rl.py --config c.yaml
   areal train -a fsdp:d2 --servers none --detach templates/examples/hang.py
 """
-
-
-# CONFIG_KEYS: the job YAML's keys and their kinds, read off the options below.
-__getattr__ = config_keys_attr("train")
 
 
 def register(app: typer.Typer) -> None:

@@ -250,14 +250,12 @@ def _check_file(block: Block, path: Path, walk: Walk) -> None:
 def _job_command(data) -> str | None:
     """serve or train when `data` is a job config of one of them (its keys are that command's
     config keys), else None."""
-    from areal_cli.commands import serve, train
+    from areal_cli.commands._common import yaml_keys
 
     if not isinstance(data, dict) or not data:
         return None
     keys = set(data)
-    fits = [
-        name for name, mod in (("serve", serve), ("train", train)) if keys <= set(mod.CONFIG_KEYS)
-    ]
+    fits = [name for name in ("serve", "train") if keys <= set(yaml_keys(name))]
     if len(fits) == 2:  # only shared keys: an inference allocation is a server's
         alloc = str(data.get("alloc", ""))
         return "serve" if re.match(r"\s*(sglang|vllm|hf)\b", alloc) else "train"

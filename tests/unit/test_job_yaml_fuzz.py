@@ -13,15 +13,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from areal_cli.cli import main
-from areal_cli.commands import serve as serve_cmd
-from areal_cli.commands import train as train_cmd
+from areal_cli.commands._common import yaml_keys
 
 # Keys that would make the command go on to real work if they happened to be valid.
 _SKIP = {"model", "scheduler", "script", "servers", "registry"}
-SERVE_KEYS = sorted(k for k in serve_cmd.CONFIG_KEYS if k not in _SKIP)
+SERVE_KEYS = sorted(k for k in yaml_keys("serve") if k not in _SKIP)
 NUMERIC = sorted(
     k
-    for k, kind in serve_cmd.CONFIG_KEYS.items()
+    for k, kind in yaml_keys("serve").items()
     if kind in ("int", "posint", "port", "float", "posfloat", "nonneg") and k not in _SKIP
 )
 
@@ -124,4 +123,4 @@ def test_anchors_that_reference_themselves_stay_short(capsys):
 def test_train_reads_the_same_way(capsys):
     err = _check(_write(b"health_timeout: [1]\n"), capsys, command="train")
     assert "health_timeout is [1]" in err
-    assert train_cmd.CONFIG_KEYS["health_timeout"] == "posfloat"
+    assert yaml_keys("train")["health_timeout"] == "posfloat"

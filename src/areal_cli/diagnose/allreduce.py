@@ -20,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 
 from areal_cli import gpus, procs
-from areal_cli.diagnose import hang, targets
+from areal_cli.diagnose import hang, hang_judge, targets
 from areal_cli.errors import LaunchError, UsageError
 from areal_cli.launchers import torchrun
 
@@ -74,7 +74,7 @@ class RunResult:
             "wrong": self.wrong,
             "avg_busbw_gbps": self.avg_busbw,
             "timed_out": self.timed_out,
-            "hang": hang.to_json(self.hang_reports) if self.hang_reports else None,
+            "hang": hang_judge.to_json(self.hang_reports) if self.hang_reports else None,
             "hang_error": self.hang_error,
             "elapsed_s": round(self.elapsed_s, 3),
         }

@@ -28,7 +28,6 @@ from areal_cli.diagnose import stacks
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (a start-up cost)
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from pathlib import Path
 
     from areal_cli.diagnose import permissions
     from areal_cli.diagnose.hang_judge import HangReport
@@ -222,22 +221,3 @@ class _Answer:
     def result(self):
         self._thread.join()
         return self._value
-
-
-# The reports' own API (diagnose.hang_judge), reached from here as the commands always did.
-
-
-def note_refused(reports: list[HangReport], registry: str) -> None:
-    _judges().note_refused(reports, registry)
-
-
-def primary(reports: list[HangReport]) -> HangReport:
-    return _judges().primary(reports)
-
-
-def to_json(reports: list[HangReport]) -> dict:
-    return _judges().to_json(reports)
-
-
-def write_bundle(reports: list[HangReport], out_dir: str | Path) -> list[Path]:
-    return _judges().write_bundle(reports, out_dir)

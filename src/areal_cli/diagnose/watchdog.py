@@ -401,12 +401,16 @@ class Watchdog:
         """The stall's bundle (the doctor's report, the servers' stacks, the logs' last lines)
         and what could not be written, each part tried on its own: a failed write (a full
         disk) is said, never raised."""
+        # Loaded already where there are reports (it judged them); not at the top: `train`
+        # imports this module for its limits.
+        from areal_cli.diagnose import hang_judge
+
         try:
             bundle = new_bundle(self.log_dir)
         except Exception as e:
             return None, _why(e, self.log_dir)
         parts = [
-            (lambda: hang.write_bundle(reports, bundle)) if reports is not None
+            (lambda: hang_judge.write_bundle(reports, bundle)) if reports is not None
             else (lambda: files.write_private(bundle / "error.txt", summary + "\n")),
             lambda: self._keep_servers(bundle),
             lambda: self._keep_logs(job, bundle),

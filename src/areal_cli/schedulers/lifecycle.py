@@ -264,7 +264,7 @@ class Lifecycle:
                     hint=f"areal logs {self.rec.name} --role server",
                 )
             if len(self.ready) < n:
-                time.sleep(0.05)
+                self.stop.wait(0.05)  # a stop wakes it at once; check_stop then raises
         if n:
             self.rec.state = "running"
             self.t.records.write(self.home, self.rec)
