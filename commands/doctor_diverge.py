@@ -9,23 +9,20 @@ from areal_cli import console
 from areal_cli.diagnose import diverge
 from areal_cli.errors import EXIT_FAILED, ArealError
 
-from ._common import RegistryOpt
-from .doctor_jobs import HomeOpt, JobOpt, PidOpt, find_jobs, print_json
+from .doctor_jobs import find_jobs, live_job_command, print_json
 
 
 def register(app: typer.Typer) -> None:
     app.command("diverge")(diverge_cmd)
 
 
+@live_job_command
 def diverge_cmd(
-    pid: list[int] = PidOpt,
-    job: str = JobOpt,
     timeout: float = typer.Option(
         60.0, "--timeout", min=1.0, help="Seconds for it all: the ranks' answers and the step."
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
-    home: str = HomeOpt,
-    registry: str = RegistryOpt,
+    **target,
 ) -> None:
     """Ask a live job's ranks whether the tensors they should share agree.
 
@@ -44,7 +41,7 @@ def diverge_cmd(
       areal doctor diverge --job myexp/trial0
       areal doctor diverge --pid 12345 --json   # torchrun's pid
     """
-    jobs = find_jobs(pid, job, home)
+    jobs = find_jobs(target)
     results = []
     for j in jobs:
         status = None

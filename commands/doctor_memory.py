@@ -11,17 +11,15 @@ from rich.table import Table
 from areal_cli import console
 from areal_cli.diagnose import memory
 
-from ._common import RegistryOpt
-from .doctor_jobs import HomeOpt, JobOpt, PidOpt, find_jobs, print_json
+from .doctor_jobs import find_jobs, live_job_command, print_json
 
 
 def register(app: typer.Typer) -> None:
     app.command("memory")(memory_cmd)
 
 
+@live_job_command
 def memory_cmd(
-    pid: list[int] = PidOpt,
-    job: str = JobOpt,
     snapshot: Path = typer.Option(
         None,
         "--snapshot",
@@ -29,8 +27,7 @@ def memory_cmd(
         "pytorch.org/memory_viz; CPU: the RSS breakdown from smaps_rollup).",
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the report as JSON."),
-    home: str = HomeOpt,
-    registry: str = RegistryOpt,
+    **target,
 ) -> None:
     """Each rank's memory beside the host's and the cgroup's limits; the biggest rank named.
 
@@ -44,7 +41,7 @@ def memory_cmd(
       areal doctor memory --pid 12345 --json
       areal doctor memory --job myexp/trial0 --snapshot ./mem   # then open pytorch.org/memory_viz
     """
-    reports = [memory.gather(j, snapshot) for j in find_jobs(pid, job, home)]
+    reports = [memory.gather(j, snapshot) for j in find_jobs(target)]
     if json_out:
         print_json(reports)
         return

@@ -13,17 +13,15 @@ from areal_cli import console
 from areal_cli.diagnose import profile
 from areal_cli.errors import EXIT_FAILED
 
-from ._common import RegistryOpt
-from .doctor_jobs import HomeOpt, JobOpt, PidOpt, find_jobs, print_json
+from .doctor_jobs import find_jobs, live_job_command, print_json
 
 
 def register(app: typer.Typer) -> None:
     app.command("profile")(profile_cmd)
 
 
+@live_job_command
 def profile_cmd(
-    pid: list[int] = PidOpt,
-    job: str = JobOpt,
     duration: float = typer.Option(
         10.0, "--duration", "-d", min=0.5, max=3600, help="Seconds to record."
     ),
@@ -36,8 +34,7 @@ def profile_cmd(
         True, "--servers/--no-servers", help="Record the job's inference servers here too."
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
-    home: str = HomeOpt,
-    registry: str = RegistryOpt,
+    **target,
 ) -> None:
     """Record every rank with py-spy at once; name the rank the others wait for.
 
@@ -56,7 +53,7 @@ def profile_cmd(
       areal doctor profile --pid 12345 -d 5 -o ./prof --json
       areal doctor profile --job myexp/trial0 -d 5 -o ./prof --native
     """
-    jobs = find_jobs(pid, job, home)
+    jobs = find_jobs(target)
     progress = None
     if not json_out and console.err.is_terminal:
         progress = Progress(

@@ -123,6 +123,10 @@ class ServerStatus(Plain):
         self.errors, self.restarts = errors, restarts
 
 
+# What every scheduler's job record holds under the names JobStatus gives it.
+RECORDED = ("log_dir", "alloc", "model", "message", "exit_code", "marker")
+
+
 class JobStatus(Plain):
     """What `areal ps` shows of one job."""
 
@@ -162,6 +166,12 @@ class JobStatus(Plain):
         self.reason, self.marker, self.registry = reason, marker, registry
         self.watchdog = watchdog
         self.restarts = [] if restarts is None else restarts
+
+    @classmethod
+    def of_record(cls, handle: Handle, state: str, rec: Any, **fields: Any) -> JobStatus:
+        """A job's status from its record, whatever its scheduler: what every job record
+        holds under the same names (RECORDED), and `fields`."""
+        return cls(handle, state, **{name: getattr(rec, name) for name in RECORDED}, **fields)
 
     def to_json(self) -> dict:
         d = plain(self)

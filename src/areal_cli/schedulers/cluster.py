@@ -12,11 +12,12 @@ A cluster scheduler is a package with three modules this base imports when it ne
                 → the job's lifecycle.Lifecycle over its Transport; refresh(recs, home)
     records.py  its JobRecords' load, all_records, root (job_records.py)
 
-Below it, what those job modules share: the private plan file, the slot lock and the refusal
-of a second job in a slot, a runner's exit code, the replicas that ended, following a job's
-logs (schedulers/lifecycle.py follows one job over each scheduler's transport). What asks a
-live job's servers, takes them out of discovery and leaves nothing of an ended job behind is
-cluster_live.py, imported only for a live or an ending job.
+Below it, what those job modules share: the new run folder and its private files, the fields
+of a new record, the slot lock and the refusal of a second job in a slot, a runner's exit code,
+the replicas that ended, following a job's logs (schedulers/lifecycle.py follows one job over
+each scheduler's transport). What asks a live job's servers, takes them out of discovery and
+leaves nothing of an ended job behind is cluster_live.py, imported only for a live or an
+ending job.
 
 Importing this module imports no scheduler's package and nothing heavy: `areal ps` lists every
 one.
@@ -28,6 +29,7 @@ import importlib
 import json
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -95,23 +97,18 @@ class ClusterScheduler(Scheduler):
         )  # fmt: skip
         return Request(self.name, spec, plan)
 
-    def schedule(
-        self,
-        request: Request,
-        *,
-        detach: bool,
-        on_event: EventFn | None = None,
-        on_line: LineFn | None = None,
-        on_progress: Callable[[str], None] | None = None,
-    ) -> Handle:
+    def schedule(self, request: Request, *, detach: bool, **callbacks) -> Handle:
+        """Scheduler.schedule; `callbacks`: on_event, on_line, on_progress."""
         job = self._module("job")
         plan = request.plan
+        on_event = callbacks.get("on_event")
         rec = job.submit(plan, self.home, request.spec.world_size)
         handle = self._handle(rec)
         self._submitted(rec, on_event)
         watch = job.follow(
             plan, rec, self.home, self._stop, on_event,
-            on_line=None if detach else on_line, on_progress=on_progress,
+            on_line=None if detach else callbacks.get("on_line"),
+            on_progress=callbacks.get("on_progress"),
         )  # fmt: skip
         self._watch = watch
         try:
@@ -172,24 +169,17 @@ class ClusterScheduler(Scheduler):
                 state = "starting"  # a replica neither registered nor ended yet
             if rec.world_size:
                 ranks_alive, world = len(ranks), rec.world_size
-        return JobStatus(
-            handle=self._handle(rec),
-            state=state,
-            host=None,
+        return JobStatus.of_record(
+            self._handle(rec),
+            state,
+            rec,
             nodes=rec.nodes,
-            pids=[],
-            servers=servers,
             started=rec.submitted,
-            log_dir=rec.log_dir,
-            alloc=rec.alloc,
-            model=rec.model,
-            message=rec.message,
-            exit_code=rec.exit_code,
+            reason=rec.reason,
+            registry=rec.registry,
+            servers=servers,
             ranks_alive=ranks_alive,
             world_size=world,
-            reason=rec.reason,
-            marker=rec.marker,
-            registry=rec.registry,
             watchdog=self._stall(rec),
             restarts=_restarts(rec),
         )
@@ -237,6 +227,52 @@ def private_file(path: Path, text: str) -> None:
     """A file only its owner reads (the plan holds the API key), created afresh."""
     with os.fdopen(files.create_new(path), "w") as f:
         f.write(text)
+
+
+def new_run_folder(plan, plan_file: str, env_file: str) -> Path:
+    """The job's run folder, made afresh (0700): its plan, secrets included, in `plan_file`,
+    the trainers' environment in `env_file`, and its servers' API key stored. Nothing of it
+    is left when a step fails."""
+    # Only when a job starts, not at `areal ps`.
+    import shutil
+
+    from areal_cli import apikeys
+
+    run = Path(plan.run_dir)
+    settings.ensure_dir(plan.log_dir)
+    settings.ensure_dir(run.parent)
+    run.mkdir(mode=0o700)
+    try:
+        private_file(run / plan_file, json.dumps(plan.to_json(redact=False)))
+        for p in plan.trainers:
+            private_file(run / env_file, json.dumps(p.env))
+        if plan.api_key and plan.api_key_file and plan.servers:
+            apikeys.store(plan.api_key_file, plan.marker, plan.api_key)
+    except BaseException:
+        shutil.rmtree(run, ignore_errors=True)
+        raise
+    return run
+
+
+def record_fields(plan, world_size: int) -> dict:
+    """What the record of every cluster job (job_records.ClusterRecord) takes from its plan
+    when it is submitted; each scheduler adds its own fields."""
+    return dict(
+        experiment=plan.experiment, trial=plan.trial, kind=plan.kind, marker=plan.marker,
+        state="pending", submitted=time.time(), log_dir=plan.log_dir, registry=plan.registry,
+        run_dir=plan.run_dir, alloc=plan.alloc, model=plan.model_path,
+        replicas=len(plan.servers), world_size=world_size, api_key_file=plan.api_key_file,
+    )  # fmt: skip
+
+
+def drop_old_runs(previous: list, rec) -> None:
+    """The run folders of the slot's earlier jobs that ended, once `rec` took their place:
+    each start makes a new one."""
+    import shutil  # only when a job starts
+
+    for old in previous:
+        if not old.live and old.run_dir != rec.run_dir:
+            shutil.rmtree(old.run_dir, ignore_errors=True)
 
 
 class SlotLock:

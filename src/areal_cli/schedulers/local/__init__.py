@@ -142,20 +142,15 @@ class LocalScheduler(Scheduler):
                 if p.role == "server" and p.addr
             ]  # fmt: skip
             out.append(
-                JobStatus(
-                    handle=self._handle(rec),
-                    state=state,
+                JobStatus.of_record(
+                    self._handle(rec),
+                    state,
+                    rec,
                     host=rec.host,
                     nodes=[rec.host],
                     pids=[rec.supervisor_pid, *rec.pids],
                     servers=servers,
                     started=rec.started,
-                    log_dir=rec.log_dir,
-                    alloc=rec.alloc,
-                    model=rec.model,
-                    message=rec.message,
-                    exit_code=rec.exit_code,
-                    marker=rec.marker,
                     watchdog=rec.watchdog,
                     restarts=rec.restarts,
                     ranks_alive=ranks.get(rec.marker, (None, None))[0],

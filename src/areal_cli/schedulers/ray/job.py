@@ -9,15 +9,13 @@ by the job's marker in namespace `areal`, so any later `areal` finds them.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from areal_cli import apikeys, schedulers, settings
+from areal_cli import schedulers
 from areal_cli.diagnose import restart
 from areal_cli.errors import LaunchError, WaitTimeout
 from areal_cli.schedulers import lifecycle
@@ -25,23 +23,18 @@ from areal_cli.schedulers.api import LIVE, Stopped
 from areal_cli.schedulers.cluster import (
     SlotLock,
     clash,
+    drop_old_runs,
+    new_run_folder,
     ready_addr,
+    record_fields,
     refusal,
     reread,
 )
 
-# The names this module's start and watch call them by.
-from areal_cli.schedulers.cluster import private_file as _private
+# The name this module's watch calls it by.
 from areal_cli.schedulers.cluster import read_code as _read_code
 from areal_cli.schedulers.cluster_live import deregister_servers, leave_nothing
 from areal_cli.schedulers.common import describe_exit, tail_text
-from areal_cli.schedulers.lifecycle import (
-    Lifecycle,
-    failed_by_watchdog,
-    headline,
-    trainer_failure,
-    watchdog_failure,
-)
 from areal_cli.schedulers.ray import actor, cluster, records, watch
 from areal_cli.schedulers.ray.planner import (
     PLAN_FILE,
@@ -69,31 +62,13 @@ def submit(plan: RayPlan, home: Path, world_size: int) -> RayRecord:
     with _slot_lock(home, plan):
         refuse_if_running(home, plan)
         previous = records.load(home, plan.experiment, plan.trial, plan.kind)
-        run = Path(plan.run_dir)
-        settings.ensure_dir(plan.log_dir)
-        settings.ensure_dir(run.parent)
-        run.mkdir(mode=0o700)
-        try:
-            _private(run / PLAN_FILE, json.dumps(plan.to_json(redact=False)))
-            for p in plan.trainers:
-                _private(run / TRAINER_ENV_FILE, json.dumps(p.env))
-            if plan.api_key and plan.api_key_file and plan.servers:
-                apikeys.store(plan.api_key_file, plan.marker, plan.api_key)
-        except BaseException:
-            shutil.rmtree(run, ignore_errors=True)
-            raise
+        new_run_folder(plan, PLAN_FILE, TRAINER_ENV_FILE)
         rec = RayRecord(
-            experiment=plan.experiment, trial=plan.trial, kind=plan.kind, job_id=plan.job_id,
-            marker=plan.marker, state="pending", submitted=time.time(), log_dir=plan.log_dir,
-            registry=plan.registry, run_dir=plan.run_dir, address=plan.address,
+            **record_fields(plan, world_size), job_id=plan.job_id, address=plan.address,
             actors=plan.actor_names(), group=group_name(plan.marker) if plan.trainers else None,
-            alloc=plan.alloc, model=plan.model_path, replicas=len(plan.servers),
-            world_size=world_size, api_key_file=plan.api_key_file,
         )  # fmt: skip
         records.write(home, rec)
-    for old in previous:
-        if not old.live and old.run_dir != rec.run_dir:
-            shutil.rmtree(old.run_dir, ignore_errors=True)
+    drop_old_runs(previous, rec)
     return rec
 
 
@@ -264,10 +239,10 @@ def refresh(recs: list[RayRecord], home: Path) -> None:
 
 def _failed_by_watchdog(rec: RayRecord) -> dict | None:
     """--watchdog-action fail ended the job: that stall is why, not torchrun's exit code."""
-    stalled = failed_by_watchdog(rec.run_dir) if rec.kind != "serve" else None
+    stalled = lifecycle.failed_by_watchdog(rec.run_dir) if rec.kind != "serve" else None
     if stalled is not None:
         rec.state, rec.exit_code = "failed", 1
-        rec.message = f"watchdog: {headline(stalled)}"
+        rec.message = f"watchdog: {lifecycle.headline(stalled)}"
     return stalled
 
 
@@ -365,9 +340,9 @@ def cancel(rec: RayRecord, home: Path, timeout: float, reason: str) -> None:
 
 
 def follow(plan: RayPlan, rec: RayRecord, home: Path, stop: threading.Event,
-           on_event: EventFn | None = None, on_line=None, on_progress=None) -> Lifecycle:  # fmt: skip
+           on_event: EventFn | None = None, on_line=None, on_progress=None) -> lifecycle.Lifecycle:  # fmt: skip
     """The job's lifecycle over Ray: placed → started → servers registered → its end."""
-    return Lifecycle(Transport(plan, rec, home), stop, on_event, on_line, on_progress)
+    return lifecycle.Lifecycle(Transport(plan, rec, home), stop, on_event, on_line, on_progress)
 
 
 class Transport(lifecycle.Transport):
@@ -585,7 +560,7 @@ class Transport(lifecycle.Transport):
             stalled = _failed_by_watchdog(self.rec) if bad else None
             if stalled is not None:
                 self.life.on_event("trainer_exit", {"label": "torchrun", "code": 1})
-                raise watchdog_failure(stalled, self.rec.message)
+                raise lifecycle.watchdog_failure(stalled, self.rec.message)
             self.life.on_event("trainer_exit", {"label": "torchrun", "code": code})
             if not bad:
                 self.rec.message = "ended"
@@ -598,5 +573,6 @@ class Transport(lifecycle.Transport):
 
     def _trainer_failure(self, code: int) -> LaunchError:
         # The node a rank ran on is in its report (each node's torchrun log).
-        return trainer_failure(self.plan.log_dir, code, str(self.run / "torchrun-0.out"),
-                               lambda rank: None)  # fmt: skip
+        return lifecycle.trainer_failure(
+            self.plan.log_dir, code, str(self.run / "torchrun-0.out"), lambda rank: None
+        )

@@ -8,14 +8,13 @@ The batch job itself needs none of this to run: killing `areal` leaves it runnin
 
 from __future__ import annotations
 
-import json
 import shutil
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from areal_cli import apikeys, logfiles, schedulers, settings
+from areal_cli import logfiles, schedulers
 from areal_cli.errors import ArealError, LaunchError, UsageError, WaitTimeout
 from areal_cli.registry import open_registry
 from areal_cli.schedulers import lifecycle
@@ -23,21 +22,16 @@ from areal_cli.schedulers.api import ENDED, LIVE, Stopped
 from areal_cli.schedulers.cluster import (
     SlotLock,
     clash,
+    drop_old_runs,
     ended_replicas,
-    private_file,
+    new_run_folder,
     read_code,
+    record_fields,
     refusal,
     reread,
 )
 from areal_cli.schedulers.cluster_live import deregister_servers, leave_nothing
 from areal_cli.schedulers.common import describe_exit, tail_text
-from areal_cli.schedulers.lifecycle import (
-    Lifecycle,
-    failed_by_watchdog,
-    headline,
-    trainer_failure,
-    watchdog_failure,
-)
 from areal_cli.schedulers.slurm import cluster, records
 from areal_cli.schedulers.slurm.planner import SlurmPlan
 from areal_cli.schedulers.slurm.records import SlurmRecord
@@ -64,42 +58,16 @@ def submit(plan: SlurmPlan, home: Path, world_size: int) -> SlurmRecord:
     with SlotLock(records.trial_dir(home, plan.experiment, plan.trial), plan, "submitted"):
         refuse_if_running(home, plan)
         previous = records.load(home, plan.experiment, plan.trial, plan.kind)
-        run = Path(plan.run_dir)
-        settings.ensure_dir(plan.log_dir)
-        settings.ensure_dir(run.parent)
-        run.mkdir(mode=0o700)
+        run = new_run_folder(plan, PLAN_FILE, TRAINER_ENV_FILE)
         try:
-            private_file(run / PLAN_FILE, json.dumps(plan.to_json(redact=False)))
-            for p in plan.trainers:
-                private_file(run / TRAINER_ENV_FILE, json.dumps(p.env))
             (run / "job.sh").write_text(plan.script)
-            if plan.api_key and plan.api_key_file and plan.servers:
-                apikeys.store(plan.api_key_file, plan.marker, plan.api_key)
             job_id = cluster.sbatch(str(run / "job.sh"), plan.job_name)
         except BaseException:
             shutil.rmtree(run, ignore_errors=True)
             raise
-        rec = SlurmRecord(
-            experiment=plan.experiment,
-            trial=plan.trial,
-            kind=plan.kind,
-            job_id=job_id,
-            marker=plan.marker,
-            state="pending",
-            submitted=time.time(),
-            log_dir=plan.log_dir,
-            registry=plan.registry,
-            run_dir=plan.run_dir,
-            alloc=plan.alloc,
-            model=plan.model_path,
-            replicas=len(plan.servers),
-            world_size=world_size,
-            api_key_file=plan.api_key_file,
-        )
+        rec = SlurmRecord(**record_fields(plan, world_size), job_id=job_id)
         records.write(home, rec)
-    for old in previous:
-        if not old.live and old.run_dir != rec.run_dir:
-            shutil.rmtree(old.run_dir, ignore_errors=True)
+    drop_old_runs(previous, rec)
     return rec
 
 
@@ -185,11 +153,11 @@ def finish(
     """The job has ended: nothing of it stays in discovery, nothing of it runs on this host,
     the record says how it ended. Returns the registry entries removed; what could not be
     removed is told in `left`."""
-    stalled = failed_by_watchdog(rec.run_dir)
+    stalled = lifecycle.failed_by_watchdog(rec.run_dir)
     if stalled is not None and (rec.message is None or rec.message.startswith("ended (")):
         # --watchdog-action fail ended it: that stall is why, not the step's exit code.
         rec.state, rec.exit_code = "failed", 1
-        rec.message = f"watchdog: {headline(stalled)}"
+        rec.message = f"watchdog: {lifecycle.headline(stalled)}"
     if info is not None and rec.message is None:
         rec.message = {
             "cancelled": "cancelled outside areal (scancel, or an administrator)",
@@ -229,9 +197,9 @@ def cancel(rec: SlurmRecord, home: Path, timeout: float, reason: str) -> cluster
 
 
 def follow(plan: SlurmPlan, rec: SlurmRecord, home: Path, stop: threading.Event,
-           on_event: EventFn | None = None, on_line=None, on_progress=None) -> Lifecycle:  # fmt: skip
+           on_event: EventFn | None = None, on_line=None, on_progress=None) -> lifecycle.Lifecycle:  # fmt: skip
     """The job's lifecycle over Slurm: pending → running → servers registered → its end."""
-    return Lifecycle(Transport(plan, rec, home), stop, on_event, on_line, on_progress)
+    return lifecycle.Lifecycle(Transport(plan, rec, home), stop, on_event, on_line, on_progress)
 
 
 class Transport(lifecycle.Transport):
@@ -381,10 +349,11 @@ class Transport(lifecycle.Transport):
             raise LaunchError(f"{job} ran out of memory (Slurm: OUT_OF_MEMORY)",
                               hint="ask for more with --slurm-arg=--mem=...")  # fmt: skip
         if self.plan.trainers:
-            stalled = failed_by_watchdog(self.run)
+            stalled = lifecycle.failed_by_watchdog(self.run)
             if stalled is not None:
                 self.life.on_event("trainer_exit", {"label": "torchrun", "code": 1})
-                raise watchdog_failure(stalled, f"watchdog: {headline(stalled)}")
+                why = f"watchdog: {lifecycle.headline(stalled)}"
+                raise lifecycle.watchdog_failure(stalled, why)
             code = self.exit_code("torchrun")
             if code is None:
                 code = info.exit_code if info and info.exit_code is not None else 1
@@ -428,8 +397,8 @@ class Transport(lifecycle.Transport):
         return {r.rank: r.node for r in ranks if r.marker == self.rec.marker and r.node}
 
     def _trainer_failure(self, code: int) -> LaunchError:
-        return trainer_failure(self.plan.log_dir, code, self._supervisor_log(),
-                               lambda rank: self._rank_nodes().get(rank))  # fmt: skip
+        return lifecycle.trainer_failure(self.plan.log_dir, code, self._supervisor_log(),
+                                         lambda rank: self._rank_nodes().get(rank))  # fmt: skip
 
     def _node_failure(self, info: cluster.JobInfo) -> LaunchError:
         down = cluster.down_nodes(info.nodes) or info.nodes
