@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import signal
 from pathlib import Path
@@ -53,17 +54,7 @@ SchedulerOptOpt = typer.Option(
     None,
     "--scheduler-opt",
     help="An option of the scheduler, KEY=VALUE (repeatable), e.g. address=HEAD:6379 for ray; "
-    "`areal doctor check --scheduler NAME` lists them.",
-)
-# Flags kept for options a scheduler declares (Scheduler.runopts names its flag): Slurm's.
-PartitionOpt = typer.Option(None, "--partition", help="Slurm partition (default: the cluster's).")
-AccountOpt = typer.Option(None, "--account", help="Slurm account to charge.")
-TimeOpt = typer.Option(None, "--time", help="Slurm time limit, e.g. 4:00:00.")
-GpusPerNodeOpt = typer.Option(
-    None, "--gpus-per-node", min=1, help="GPUs used per node (default: the partition's)."
-)
-SlurmArgOpt = typer.Option(
-    None, "--slurm-arg", help="Passed to sbatch as is, e.g. --slurm-arg=--mem=64G. Repeatable."
+    "a KEY it does not take is refused with the list of those it does.",
 )
 # A job YAML (--config) sets the options of `serve` and `train`: its keys are their long
 # flags, except these, which say how to run this invocation rather than what the job is.
@@ -103,7 +94,8 @@ ConfigOpt = typer.Option(
 
 
 # The options of `serve` and `train` alike (job_command adds them): what the job is named,
-# where it runs, how this invocation reads and prints.
+# where it runs (the flags of the schedulers' run options come after --scheduler), how this
+# invocation reads and prints.
 _JOB_OPTIONS = (
     ("experiment", str, ExperimentOpt),
     ("trial", str, TrialOpt),
@@ -111,14 +103,26 @@ _JOB_OPTIONS = (
     ("home", Path, HomeOpt),
     ("config", Path, ConfigOpt),
     ("scheduler", str, SchedulerOpt),
-    ("partition", str, PartitionOpt),
-    ("account", str, AccountOpt),
-    ("time", str, TimeOpt),
-    ("gpus_per_node", int, GpusPerNodeOpt),
-    ("slurm_arg", list[str], SlurmArgOpt),
+)
+_LAST_OPTIONS = (
     ("scheduler_opt", list[str], SchedulerOptOpt),
     ("json_out", bool, JsonOpt),
 )
+_RUNOPT_TYPES = {"str": str, "posint": int, "list": list[str]}
+
+
+def runopt_options() -> list[tuple[str, type, Any]]:
+    """An option of `serve` and `train` for each flag of the installed schedulers' run
+    options (RunOpt.flag): its kind, help and default are the scheduler's."""
+    out = []
+    for o in schedulers.flagged_runopts():
+        text = o.help[:1].upper() + o.help[1:] + "."
+        if o.kind == "list":
+            text += " Repeatable."
+        extra = {"min": 1} if o.kind == "posint" else {}
+        option = typer.Option(o.default, o.flag, help=text, **extra)
+        out.append((o.name, _RUNOPT_TYPES[o.kind], option))
+    return out
 
 
 def config_keys(command) -> dict[str, str]:
@@ -177,20 +181,43 @@ def _check_value(ctx, path: Path, key: str, value, param) -> None:
 
 
 def job_command(func):
-    """`func` (serve or train) with the options every job command takes appended to its
-    signature, where typer reads a command's options: declared once, here. `func` takes
-    them as keyword arguments and reads every option through asked(ctx)."""
+    """`func` (serve or train) as a command: the options every job command takes appended
+    to its signature, where typer reads a command's options; declared once, here, with the
+    flags of the schedulers installed now (runopt_options). `func` takes them as keyword
+    arguments and reads every option through asked(ctx)."""
     own = [
         p
         for p in inspect.signature(func, eval_str=True).parameters.values()
         if p.kind is not p.VAR_KEYWORD
     ]
+    flags = runopt_options()
+    _check_free(func.__name__, own, flags)
     shared = [
         inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=kind)
-        for name, kind, opt in _JOB_OPTIONS
+        for name, kind, opt in (*_JOB_OPTIONS, *flags, *_LAST_OPTIONS)
     ]
-    func.__signature__ = inspect.Signature(own + shared)
-    return func
+
+    @functools.wraps(func)
+    def command(*args, **kwargs):
+        return func(*args, **kwargs)
+
+    command.__signature__ = inspect.Signature(own + shared)
+    return command
+
+
+def _check_free(command: str, own: list, flags: list) -> None:
+    """A scheduler's flag must not be an option `command` has already (a plug-in's
+    --model): one of the two would never see its value."""
+    options = [(p.name, p.default) for p in own]
+    options += [(name, opt) for name, _, opt in (*_JOB_OPTIONS, *_LAST_OPTIONS)]
+    taken = {n for name, opt in options for n in (name, *(getattr(opt, "param_decls", None) or ()))}
+    for name, _, option in flags:
+        (flag,) = option.param_decls
+        if name in taken or flag in taken:
+            raise UsageError(
+                f"a scheduler's run option {name} ({flag}) is an option of `{command}` already",
+                hint="a scheduler plug-in's flags must be its own: rename it",
+            )
 
 
 def asked(ctx: typer.Context) -> Asked:

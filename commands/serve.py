@@ -35,10 +35,9 @@ def register(app: typer.Typer) -> None:
         help=HELP,
         context_settings={"allow_extra_args": True},
         no_args_is_help=True,
-    )(serve)
+    )(job_command(serve))
 
 
-@job_command
 def serve(
     ctx: typer.Context,
     model: str = typer.Option(

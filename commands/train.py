@@ -44,7 +44,7 @@ def register(app: typer.Typer) -> None:
         no_args_is_help=True,
         # SCRIPT ends our options: what follows is the script's, even --config.
         context_settings={"allow_interspersed_args": False, "allow_extra_args": True},
-    )(train)
+    )(job_command(train))
 
 
 # The options whose help takes several lines, so that train's signature reads as a list.
@@ -96,7 +96,6 @@ _DETACH = typer.Option(
 )
 
 
-@job_command
 def train(
     ctx: typer.Context,
     script: str = typer.Argument(

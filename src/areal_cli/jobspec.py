@@ -350,10 +350,6 @@ def serve_alloc_text(role: ServerRole) -> str:
 
 NAME_MAX = 100  # names become directory names and registry keys; 255 bytes is the file limit
 
-# Scheduler run options that keep a flag of their own (RunOpt.flag: Slurm's); the others
-# are set with --scheduler-opt KEY=VALUE or the job YAML's `scheduler_opts:`.
-RUNOPT_FLAGS = ("partition", "account", "time", "gpus_per_node", "slurm_arg")
-
 
 def check_name(kind: str, value: str) -> str:
     """Experiment and trial names: ASCII letters, digits, '-', '_', '.', not starting with
@@ -396,13 +392,15 @@ def python_default() -> str:
 
 
 def scheduler_opts(sched, asked: Asked) -> SchedulerOpts:
-    """The options of `sched`, from its flags, `--scheduler-opt KEY=VALUE`, and the job YAML
-    (`scheduler_opts:` or a flag's key), checked against what the scheduler declares
-    (Scheduler.runopts): one it does not take is a usage error naming those it does."""
+    """The options of `sched`, from the flags of the schedulers' options (RunOpt.flag),
+    `--scheduler-opt KEY=VALUE`, and the job YAML (`scheduler_opts:` or a flag's key), checked
+    against what the scheduler declares (Scheduler.runopts): one it does not take is a usage
+    error naming those it does. One not given is its declared default."""
     declared = {o.name: o for o in sched.runopts}
+    flagged = {o.name: o.flag for o in schedulers.flagged_runopts()}
     yaml = asked.job_yaml
     given: dict[str, tuple[str, object]] = {}
-    for key in RUNOPT_FLAGS:
+    for key in flagged:
         if yaml.get(key) not in (None, []):
             given[key] = (f"{key} in the job YAML", yaml[key])
     for key, value in (yaml.get("scheduler_opts") or {}).items():
@@ -419,10 +417,10 @@ def scheduler_opts(sched, asked: Asked) -> SchedulerOpts:
             before = given.get(key, ("", []))[1] if key in given else []
             value = [*(before if isinstance(before, list) else [before]), value]
         given[key] = (f"--scheduler-opt {key}", value)
-    for key, value in asked.given(RUNOPT_FLAGS).items():
+    for key, value in asked.given(flagged).items():
         if value not in (None, [], ()):
-            given[key] = (f"--{key.replace('_', '-')}", value)
-    values = {}
+            given[key] = (flagged[key], value)
+    values = {o.name: o.default for o in sched.runopts if o.default is not None}
     for key, (where, value) in given.items():
         if key not in declared:
             raise _not_an_option(sched, key, where)

@@ -14,11 +14,12 @@ import os
 from pathlib import Path
 
 from areal_cli import plugins, settings
+from areal_cli.errors import UsageError
 
 # typing's TYPE_CHECKING without importing typing (5 ms of `areal ps`).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from areal_cli.schedulers.api import Handle, Scheduler
+    from areal_cli.schedulers.api import Handle, RunOpt, Scheduler
 
 DEFAULT = "local"
 # The folder under AREAL_HOME that names, one empty file each, the schedulers that ran a job
@@ -44,6 +45,66 @@ def scheduler_class(name: str) -> type[Scheduler]:
     from areal_cli.schedulers.api import Scheduler
 
     return plugins.load(plugins.SCHEDULERS, name, base=Scheduler)
+
+
+def flagged_runopts() -> list[RunOpt]:
+    """The run options of every installed scheduler that name a flag (RunOpt.flag), one per
+    flag: the flags `serve` and `train` take beside their own. A scheduler that does not load
+    is left out (choosing it says why)."""
+    declared = []
+    for n in sorted(names()):
+        try:
+            cls = scheduler_class(n)
+        except UsageError:
+            continue
+        declared.append((cls.label or cls.name, cls.runopts))
+    return merge_flagged(declared)
+
+
+def merge_flagged(declared: list[tuple[str, tuple[RunOpt, ...]]]) -> list[RunOpt]:
+    """One RunOpt per flag of the options each scheduler declares (`declared`: its label and
+    runopts), in the order first declared. Schedulers that declare one flag must agree on
+    its name and kind, else a UsageError names them."""
+    by_flag: dict[str, list[tuple[str, RunOpt]]] = {}
+    for who, opts in declared:
+        for o in opts:
+            if o.flag:
+                by_flag.setdefault(o.flag, []).append((who, o))
+    out = [_one_flag(flag, owners) for flag, owners in by_flag.items()]
+    flags: dict[str, str] = {}
+    for o in out:
+        if flags.setdefault(o.name, o.flag) != o.flag:
+            raise _clash(f"run option {o.name} has two flags, {flags[o.name]} and {o.flag}")
+    return out
+
+
+def _one_flag(flag: str, owners: list[tuple[str, RunOpt]]) -> RunOpt:
+    """The option of `flag` that every scheduler in `owners` declares: its help theirs,
+    each one named where they differ; its default theirs where they agree, else none (each
+    scheduler applies its own)."""
+    from areal_cli.schedulers.api import RunOpt
+
+    (who, first), others = owners[0], owners[1:]
+    for other, o in others:
+        if (o.name, o.kind) != (first.name, first.kind):
+            raise _clash(
+                f"flag {flag} is {who}'s option {first.name} ({first.kind}) and "
+                f"{other}'s {o.name} ({o.kind})"
+            )
+    if all(o.help == first.help for _, o in others):
+        text = first.help
+    else:
+        text = "; ".join(f"{w}: {o.help}" for w, o in owners)
+    same = all(o.default == first.default for _, o in others)
+    return RunOpt(first.name, first.kind, text, flag, first.default if same else None)
+
+
+def _clash(message: str) -> UsageError:
+    return UsageError(
+        message,
+        hint="schedulers that share a flag declare one option (name and kind): rename a "
+        "plug-in's flag, or leave its option to --scheduler-opt",
+    )
 
 
 def get(name: str | None = None, **options) -> Scheduler:

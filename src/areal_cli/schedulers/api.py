@@ -75,13 +75,24 @@ class Handle(Frozen):
 
 class RunOpt(Frozen):
     """One option a scheduler declares for itself (TorchX's runopts): set with
-    `--scheduler-opt NAME=VALUE`, in a job YAML's `scheduler_opts:` mapping, or by its
-    `flag` where one is kept for it (Slurm's --partition). `kind`: str, posint or list."""
+    `--scheduler-opt NAME=VALUE`, in a job YAML's `scheduler_opts:` mapping (or its own key
+    there where it has a flag), or by its `flag`: a flag of `serve` and `train` for every
+    installed scheduler that names one (Slurm's --partition). `kind`: one of KINDS (a list
+    flag is repeatable). `default`: its value when not set (a tuple for a list)."""
 
-    __slots__ = ("name", "kind", "help", "flag")
+    __slots__ = ("name", "kind", "help", "flag", "default")
+    KINDS = ("str", "posint", "list")
 
-    def __init__(self, name: str, kind: str, help: str, flag: str | None = None):
-        self._freeze(name, kind, help, flag)
+    def __init__(
+        self, name: str, kind: str, help: str, flag: str | None = None, default: Any = None
+    ):
+        # Checked here, where the scheduler's module declares it: a wrong kind is an error
+        # loading that scheduler, not a surprise when its flag is built or read.
+        if kind not in self.KINDS:
+            raise ValueError(f"run option {name!r}: kind {kind!r} is not one of {self.KINDS}")
+        if flag is not None and not flag.startswith("--"):
+            raise ValueError(f"run option {name!r}: flag {flag!r} does not start with --")
+        self._freeze(name, kind, help, flag, default)
 
 
 class Request(Plain):

@@ -40,7 +40,8 @@ class ToyScheduler(Scheduler):
     name = "toy"
     label = "Toy"
     records = "toy"
-    runopts = (RunOpt("note", "str", "a word the toy keeps in its record"),)
+    # Its flag is a flag of `serve` and `train` wherever this plug-in is installed.
+    runopts = (RunOpt("note", "str", "a word the toy keeps in its record", "--toy-note"),)
 
     def __init__(self, home: Path | None = None, registry: str | None = None):
         self.home = Path(home or settings.home())

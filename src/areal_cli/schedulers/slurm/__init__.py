@@ -35,7 +35,8 @@ class SlurmScheduler(ClusterScheduler):
         RunOpt("time", "str", "Slurm time limit, e.g. 4:00:00", "--time"),
         RunOpt("gpus_per_node", "posint", "GPUs used per node (default: the partition's)",
                "--gpus-per-node"),
-        RunOpt("slurm_arg", "list", "passed to sbatch as is, e.g. --mem=64G", "--slurm-arg"),
+        RunOpt("slurm_arg", "list", "passed to sbatch as is, e.g. --slurm-arg=--mem=64G",
+               "--slurm-arg"),
     )  # fmt: skip
 
     # -- hooks of ClusterScheduler ----------------------------------------------------------
