@@ -1,13 +1,16 @@
-"""One job's life as the `areal` that started it follows it, the same on every scheduler whose
-job runs on a cluster (Slurm, Ray):
+"""One job's life as the `areal` that started it follows it, the same on every scheduler
+(local, Slurm, Ray):
 
     placed → servers ready → trainers (restarted by the doctor's root cause) → end → teardown
 
 with the watchdog's verdict and the stop path (Ctrl-C → 130, SIGTERM → 143, the job cancelled).
 What differs is the Transport each scheduler supplies: how its processes are placed and
-started, how the job is observed (squeue, Ray's actors), how trainers are stopped and started
-again, and how the job is ended. The Lifecycle keeps the state they share (the servers that
-registered, the replicas lost) and says what happens through the scheduler's callbacks:
+started, where their readiness shows (a cluster job's ready files, the registry entries the
+local runners signed), how the job is observed (squeue, Ray's actors, the local processes),
+how trainers are stopped and started again, and how the job is ended. The local supervisor is
+its own transport; its teardown (the job's processes, the record, the slot) stays its own.
+The Lifecycle keeps the state they share (the servers that registered, the replicas lost) and
+says what happens through the scheduler's callbacks:
 
     on_event(kind, info)  "healthy" | "ready" | "server_lost" | "trainer_exit" | "restart" |
                           "stopping" (and what a transport adds: "running", "submitted")
@@ -31,9 +34,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Protocol
 
-from areal_cli import logfiles
+from areal_cli import files, logfiles
 from areal_cli.diagnose import restart
-from areal_cli.errors import EXIT_TIMEOUT, LaunchError, WaitTimeout
+from areal_cli.errors import EXIT_TIMEOUT, ArealError, LaunchError, WaitTimeout
 from areal_cli.schedulers.api import EventFn, LineFn, Stopped
 from areal_cli.schedulers.cluster import follow_logs, read_code
 from areal_cli.schedulers.common import describe_exit, explain_failure, tail_text
@@ -75,6 +78,34 @@ def watchdog_failure(stalled: dict, message: str) -> LaunchError:
     )
 
 
+def failure(
+    label: str, code: int, log: str, when: str = "", died_of: str | None = None,
+    hint: str | None = None,
+) -> LaunchError:  # fmt: skip
+    """`label` ended with `code` (`when`: "while starting", "(no replica left)"): what it died
+    of, root cause first (a full filesystem under its log before all), its log's last lines and
+    where the whole log is."""
+    full = files.full_filesystem(log)
+    if full:  # its output could not be written: that is what it died of, most likely
+        died_of = f"the filesystem of its log is full: {full}" + (f"; {died_of}" if died_of else "")
+        hint = "free space there, or point AREAL_HOME (--home) at a filesystem with room"
+    what = f"{label} failed {when}".strip()
+    died_of = f"; {died_of}" if died_of else ""
+    return LaunchError(f"{what}: {describe_exit(code)}{died_of}", detail=tail_text(log),
+                       hint=f"full log: {log}" + (f"; {hint}" if hint else ""))  # fmt: skip
+
+
+def start_failure(label: str, code: int, log: str, health_timeout: float) -> ArealError:
+    """A replica ended before it was ready: its health gate timed out (exit 3), or it failed."""
+    if code == EXIT_TIMEOUT:
+        return WaitTimeout(
+            f"{label} not healthy after {health_timeout:g}s",
+            detail=tail_text(log),
+            hint=f"raise --health-timeout for big models, or read the log: {log}",
+        )
+    return failure(label, code, log, "while starting")
+
+
 def trainer_failure(
     log_dir: str | Path, code: int, fallback_log: str, rank_node: Callable[[int], str | None]
 ) -> LaunchError:
@@ -85,19 +116,11 @@ def trainer_failure(
     logs = sorted(str(p) for p in log_dir.glob("torchrun-*.log"))
     rank, rank_code, died_of, hint, node = explain_failure(log_dir, logs)
     if rank is None:
-        log = logs[0] if logs else fallback_log
-        return LaunchError(f"torchrun failed: {describe_exit(code)}",
-                           detail=tail_text(log), hint=f"full log: {log}")  # fmt: skip
+        return failure("torchrun", code, logs[0] if logs else fallback_log)
     node = rank_node(rank) or node
     where = f" on node {node}" if node else ""
-    log = str(log_dir / f"rank-{rank}.log")
-    died_of = f"; {died_of}" if died_of else ""
-    return LaunchError(
-        f"rank-{rank}{where} failed: "
-        f"{describe_exit(rank_code if rank_code is not None else code)}{died_of}",
-        detail=tail_text(log),
-        hint=f"full log: {log}" + (f"; {hint}" if hint else ""),
-    )
+    return failure(f"rank-{rank}{where}", rank_code if rank_code is not None else code,
+                   str(log_dir / f"rank-{rank}.log"), died_of=died_of, hint=hint)  # fmt: skip
 
 
 class Restarts(Protocol):
@@ -140,15 +163,23 @@ def restart_trainers(
 
 class Transport(ABC):
     """How one scheduler places, starts, observes and ends one job's processes. The Lifecycle
-    that drives it is `self.life` (its state: ready servers, lost replicas, the stop)."""
+    that drives it is `self.life` (its state: ready servers, lost replicas, the stop). What
+    the defaults read is a cluster job's run folder (`self.run`)."""
 
     records: ModuleType  # the scheduler's job records (load, write)
     poll_every = 0.5  # seconds between two looks at a running job
+    # Seconds the ready wait gives beyond the health timeout (a cluster job's replicas start
+    # on nodes that may still be setting up).
+    ready_slack = 30.0
 
     def __init__(self, plan, rec, home: Path):
         self.plan, self.rec, self.home = plan, rec, home
-        self.run = Path(plan.run_dir)
         self.life: Lifecycle
+
+    @property
+    def run(self) -> Path:
+        """The job's run folder: its runners' exit codes, ready files and restart log."""
+        return Path(self.plan.run_dir)
 
     @property
     @abstractmethod
@@ -159,6 +190,37 @@ class Transport(ABC):
     def place(self) -> None:
         """Until the job's processes are placed and started; raises on a failure, a timeout
         (the job cancelled) and a stop."""
+
+    def registered(self, pending: list[int]) -> dict[int, dict]:
+        """Of the replicas `pending`, those registered now → what their runner said of them
+        ("addr", "node"): its server-N.ready file."""
+        found = {}
+        for i in pending:
+            try:
+                found[i] = json.loads((self.run / f"server-{i}.ready").read_text())
+            except (OSError, ValueError):
+                continue
+        return found
+
+    def not_registered(self, pending: list[int]) -> WaitTimeout:
+        """The ready wait is over with replicas `pending` still unregistered."""
+        return WaitTimeout(
+            f"{len(pending)} server(s) of {self.what} not registered after "
+            f"{self.plan.health_timeout:g}s",
+            hint=f"areal logs {self.rec.name} --role server",
+        )
+
+    def servers_ready(self) -> None:
+        """Every replica registered: the record says the job runs, the event says where."""
+        if self.plan.servers:
+            self.rec.state = "running"
+            self.records.write(self.home, self.rec)
+            ready = self.life.ready
+            self.life.on_event("ready", {"servers": [ready[i]["addr"] for i in sorted(ready)]})
+
+    def wait(self, seconds: float) -> None:
+        """Between two looks; a stop wakes it at once."""
+        self.life.stop.wait(seconds)
 
     def look_starting(self) -> None:
         """One look while the servers start: raises when the job ended or was killed."""
@@ -185,6 +247,11 @@ class Transport(ABC):
     @abstractmethod
     def cancel(self, reason: str) -> None:
         """End the job now; its record says why."""
+
+    def stopped(self, reason: str) -> None:
+        """A stop asked of this process: said, and the job cancelled."""
+        self.life.on_event("stopping", {"state": "stopped"})
+        self.cancel(reason)
 
     def exit_code(self, label: str) -> int | None:
         """A runner's exit code, once it ended (its file in the run folder)."""
@@ -222,12 +289,7 @@ class Lifecycle:
                  on_progress=None):  # fmt: skip
         self.t = transport
         transport.life = self
-        self.plan, self.rec, self.home, self.run = (
-            transport.plan,
-            transport.rec,
-            transport.home,
-            transport.run,
-        )
+        self.plan = transport.plan
         self.stop = stop
         self.on_event = on_event or (lambda kind, info: None)
         self.on_progress = on_progress or (lambda text: None)
@@ -247,7 +309,7 @@ class Lifecycle:
         timeout (the job cancelled) and on a stop (Stopped, the job cancelled)."""
         self.t.place()
         n = len(self.plan.servers)
-        deadline = time.monotonic() + self.plan.health_timeout + 30.0
+        deadline = time.monotonic() + self.plan.health_timeout + self.t.ready_slack
         while len(self.ready) < n:
             self.check_stop()
             self._read_ready()
@@ -258,17 +320,10 @@ class Lifecycle:
             self.t.look_starting()
             if time.monotonic() > deadline:
                 self.cancel("not ready in time")
-                raise WaitTimeout(
-                    f"{n - len(self.ready)} server(s) of {self.t.what} not registered after "
-                    f"{self.plan.health_timeout:g}s",
-                    hint=f"areal logs {self.rec.name} --role server",
-                )
+                raise self.t.not_registered([i for i in range(n) if i not in self.ready])
             if len(self.ready) < n:
-                self.stop.wait(0.05)  # a stop wakes it at once; check_stop then raises
-        if n:
-            self.rec.state = "running"
-            self.t.records.write(self.home, self.rec)
-            self.on_event("ready", {"servers": [self.ready[i]["addr"] for i in sorted(self.ready)]})
+                self.t.wait(0.05)  # a stop wakes it at once; check_stop then raises
+        self.t.servers_ready()
 
     def until_end(self) -> int:
         """Follow the job to its end (a stop cancels it). Returns 0 when it ended well; raises
@@ -285,7 +340,7 @@ class Lifecycle:
                 and (len(self.lost) == len(self.plan.servers))
             ):
                 self.t.servers_gone()
-            self.stop.wait(self.t.poll_every)
+            self.t.wait(self.t.poll_every)
 
     def cancel(self, reason: str) -> None:
         self.t.cancel(reason)
@@ -300,8 +355,7 @@ class Lifecycle:
     def check_stop(self) -> None:
         """A stop asked of this process (Ctrl-C, SIGTERM): the job is cancelled, Stopped."""
         if self.stop.is_set():
-            self.on_event("stopping", {"state": "stopped"})
-            self.cancel("interrupted" if self.stop_code == 130 else "terminated")
+            self.t.stopped("interrupted" if self.stop_code == 130 else "terminated")
             raise Stopped(self.stop_code)
         self.t.check_stop()
 
@@ -314,7 +368,7 @@ class Lifecycle:
 
     def tell_restarts(self) -> None:
         """The restart decisions the job made itself (its run folder's log), each once."""
-        log = restart.read_log(self.run)
+        log = restart.read_log(self.t.run)
         for d in log[self._told :]:
             self.on_event("restart", d)
         self._told = len(log)
@@ -322,34 +376,20 @@ class Lifecycle:
     # -- pieces ---------------------------------------------------------------------------
 
     def _read_ready(self) -> None:
-        for i in range(len(self.plan.servers)):
-            if i in self.ready:
-                continue
-            try:
-                info = json.loads((self.run / f"server-{i}.ready").read_text())
-            except (OSError, ValueError):
-                continue
+        pending = [i for i in range(len(self.plan.servers)) if i not in self.ready]
+        for i, info in sorted(self.t.registered(pending).items()):
             self.ready[i] = info
-            self.on_event("healthy", {"label": f"server-{i}", "addr": info["addr"],
-                                      "node": info.get("node")})  # fmt: skip
+            # The node where a transport knows it (a cluster's ready file), as it said it.
+            where = {"node": info["node"]} if "node" in info else {}
+            self.on_event("healthy", {"label": f"server-{i}", "addr": info["addr"], **where})
             self.on_progress(f"{len(self.ready)}/{len(self.plan.servers)} server(s) registered")
 
     def _fail(self, i: int) -> None:
         """A replica ended before it was ready: the start failed, root cause first."""
         code = self.t.exit_code(f"server-{i}")
-        p = self.plan.servers[i]
         self.cancel(f"server-{i} failed while starting")
-        if code == EXIT_TIMEOUT:
-            raise WaitTimeout(
-                f"server-{i} not healthy after {self.plan.health_timeout:g}s",
-                detail=tail_text(p.log_path),
-                hint=f"raise --health-timeout for big models, or read the log: {p.log_path}",
-            )
-        raise LaunchError(
-            f"server-{i} failed while starting: {describe_exit(code)}",
-            detail=tail_text(p.log_path),
-            hint=f"full log: {p.log_path}",
-        )
+        raise start_failure(f"server-{i}", code, self.plan.servers[i].log_path,
+                            self.plan.health_timeout)  # fmt: skip
 
     def _servers_lost(self) -> None:
         for i in sorted(set(self.ready) - self.lost):

@@ -56,7 +56,7 @@ def schedule(sched: LocalScheduler, request: Request, detach: bool, callbacks: d
     sup = Supervisor(plan, sched.home, claim, on_event=callbacks.get("on_event"),
                      on_line=callbacks.get("on_line"), registry=sched.opened_registry())  # fmt: skip
     sched._foreground = sup
-    code = sup.run()
+    code = sup.supervise()
     if code:
         raise Stopped(code)
     return handle

@@ -1,5 +1,8 @@
 """The local scheduler's supervisor: run a plan's processes on this host, gate on readiness,
-watch them, tear them down, and keep the job record.
+watch them, tear them down, and keep the job record. The job's life (servers ready → trainers
+→ end, with server loss, restarts and the stop path) is the one every scheduler follows,
+lifecycle.Lifecycle; the supervisor is its transport on this host, and keeps its own record,
+reaper and teardown.
 
 What it starts, each in a session of its own and carrying the job's marker:
 
@@ -10,7 +13,8 @@ What it starts, each in a session of its own and carrying the job's marker:
 
 Every process writes files; nothing waits on a pipe to the supervisor, so a suspended
 supervisor (Ctrl-Z) stalls no server. A server counts as ready once its runner registered
-it. In the foreground the supervisor follows the log files for the terminal.
+it (an entry the runner signed). In the foreground the supervisor follows the log files for
+the terminal.
 
 The supervisor never prints. It reports through callbacks:
     on_event(kind, info)   "spawned" | "healthy" | "ready" | "server_lost" | "trainer_exit" |
@@ -38,30 +42,19 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 
 from areal_cli import apikeys, files, logfiles, procs, request_errors, settings
 from areal_cli.diagnose import restart, targets, watchdog
-from areal_cli.errors import (
-    EXIT_INTERRUPTED,
-    ArealError,
-    LaunchError,
-    WaitTimeout,
-)
+from areal_cli.errors import EXIT_INTERRUPTED, ArealError, LaunchError, WaitTimeout
 from areal_cli.launchers import torchrun
 from areal_cli.launchers.replica import replica_processes
 from areal_cli.registry import open_registry
-from areal_cli.schedulers.common import (
-    TAIL_LINES,
-    describe_exit,
-    explain_failure,
-    resume_left_paused,
-    tail_text,
-)
-from areal_cli.schedulers.lifecycle import restart_trainers
+from areal_cli.schedulers import lifecycle
+from areal_cli.schedulers.api import EventFn, LineFn, Stopped
+from areal_cli.schedulers.common import explain_failure, resume_left_paused, tail_text
 from areal_cli.schedulers.local import records
 from areal_cli.schedulers.local.launch import supervisor_log
 from areal_cli.spec import Plan, ProcessPlan
@@ -73,9 +66,6 @@ REGISTRY_WAIT = 1.0
 # registers the server it started again (a new pid) under a fresh entry, and the record follows.
 FOLLOW_SERVERS_EVERY = 1.0
 
-EventFn = Callable[[str, dict], None]
-LineFn = Callable[[str, str], None]
-
 
 class _Proc:
     """One launched runner; a thread wakes the supervisor the moment it exits."""
@@ -83,8 +73,6 @@ class _Proc:
     def __init__(self, plan: ProcessPlan, popen: subprocess.Popen, changed: threading.Event):
         self.plan = plan
         self.popen = popen
-        self.lost = False
-        self.healthy = False
 
         def wait() -> None:
             popen.wait()
@@ -100,7 +88,15 @@ class _Proc:
         return self.popen.poll()
 
 
-class Supervisor:
+class Supervisor(lifecycle.Transport):
+    """A job on this host, and its Lifecycle's transport: it spawns the processes, reads
+    their readiness from the registry, observes them through their Popen objects, and ends
+    them in its own teardown (which says "stopping" once, whatever ended the job)."""
+
+    records = records
+    # Seconds the ready wait gives beyond the health timeout: the runners run here.
+    ready_slack = 10.0
+
     def __init__(
         self,
         plan: Plan,
@@ -110,8 +106,7 @@ class Supervisor:
         on_line: LineFn | None = None,
         registry=None,
     ):
-        self.plan = plan
-        self.home = home
+        super().__init__(plan, None, home)  # the record is made when the job starts
         self.claim = claim
         self.on_event = on_event or (lambda kind, info: None)
         self.on_line = on_line
@@ -129,7 +124,8 @@ class Supervisor:
         self._reaper: subprocess.Popen | None = None
         self._follow_stop = threading.Event()
         self._follower: threading.Thread | None = None
-        self.record: records.JobRecord | None = None
+        self.rec: records.JobRecord | None = None
+        self._last_lost: int | None = None  # the replica lost last (a serving job's failure)
         self._watchdog = None  # diagnose.watchdog.Watchdog while trainers run
         self._stalled = None  # the stall that ends the job (--watchdog-action fail)
         self._servers_seen = 0.0  # monotonic time of the last look at the registry's entries
@@ -141,7 +137,7 @@ class Supervisor:
         self.stop_requested.set()
         self.changed.set()
 
-    def run(self) -> int:
+    def supervise(self) -> int:
         """Run the job to its end. Returns the exit code; raises for the first failure."""
         settings.ensure_dir(self.plan.log_dir)
         # Entries left by servers that died with their supervisor and watchdog (a reboot):
@@ -157,7 +153,7 @@ class Supervisor:
         if self.on_line is not None:
             # Only this job's own logs: a training job shares its folder with the servers.
             roles = (("server",) if self.plan.servers else ()) + (
-                ("rank", "torchrun", "watchdog") if self.plan.trainers else ()
+                lifecycle.TRAINER_ROLES if self.plan.trainers else ()
             )
             self._follower = logfiles.follow_in_background(
                 Path(self.plan.log_dir), self._line, self._follow_stop, roles
@@ -186,20 +182,19 @@ class Supervisor:
     # -- phases ---------------------------------------------------------------------------
 
     def _run(self) -> int:
-        servers = self.plan.servers
-        for p in servers:
-            self._spawn(p)
-        if servers:
-            self._wait_ready()
-        if self.stop_requested.is_set():
+        life = lifecycle.Lifecycle(self, self.stop_requested, self.on_event)
+        try:
+            life.until_ready()
+            for p in self.plan.trainers:
+                self._spawn(p)
+                self._set_state("running")
+                self._record_rendezvous(self.procs[-1])
+            self._start_watchdog()
+            return life.until_end()
+        except Stopped:
+            if self._stalled is not None:
+                raise self._watchdog_failure(self._stalled) from None
             return self.stop_code
-        self._set_state("running")
-        self.on_event("ready", {"servers": [p.addr for p in servers]})
-        for p in self.plan.trainers:
-            self._spawn(p)
-            self._set_state("running")
-            self._record_rendezvous(self.procs[-1])
-        return self._watch()
 
     def _spawn(self, p: ProcessPlan, extra_env: dict[str, str] | None = None) -> None:
         settings.ensure_dir(Path(p.log_path).parent)
@@ -221,7 +216,7 @@ class Supervisor:
         except OSError as e:
             raise LaunchError(f"{p.label} could not start: {e}") from None
         self.procs.append(_Proc(p, popen, self.changed))
-        self.record.processes.append(
+        self.rec.processes.append(
             records.ProcessRecord(
                 role=p.role,
                 index=p.index,
@@ -233,54 +228,8 @@ class Supervisor:
                 create_time=procs.create_time(popen.pid),
             )
         )
-        records.write(self.home, self.record)
+        records.write(self.home, self.rec)
         self.on_event("spawned", {"label": p.label, "pid": popen.pid})
-
-    def _wait_ready(self) -> None:
-        """Until every replica's runner has registered its server (it does so once the
-        server answers /health), or one exits, or the health timeout passes."""
-        deadline = time.monotonic() + self.plan.health_timeout + 10.0
-        pending = {p.plan.addr: p for p in self.procs if p.plan.role == "server"}
-        delay = 0.01
-        while pending:
-            for proc in list(pending.values()):
-                code = proc.exit_code()
-                if code is not None:
-                    if code == WaitTimeout.exit_code:
-                        raise WaitTimeout(
-                            f"{proc.label} not healthy after {self.plan.health_timeout:g}s",
-                            hint="raise --health-timeout for big models, or read the log: "
-                            + proc.plan.log_path,
-                            detail=self._tail_text(proc.plan.log_path),
-                        )
-                    raise self._failure(proc, code, "while starting")
-            if self.stop_requested.is_set():
-                return
-            try:
-                listed = self.registry.list(self.plan.experiment, self.plan.trial).servers
-            except ArealError:
-                listed = []  # the registry is down for a moment; the runner keeps trying
-            for addr, e in self._ours(listed).items():
-                proc = pending.pop(addr, None)
-                if proc is not None:
-                    proc.healthy = True
-                    rec = self._process_record(proc)
-                    rec.server_pid, rec.server_create_time = e.pid, e.pid_create_time
-                    rec.addr = e.addr  # where others reach it (a wildcard bind advertises an IP)
-                    records.write(self.home, self.record)
-                    self.on_event("healthy", {"label": proc.label, "addr": e.addr})
-            if pending and time.monotonic() >= deadline:
-                first = next(iter(pending.values()))
-                raise WaitTimeout(
-                    f"{', '.join(p.label for p in pending.values())} not registered after "
-                    f"{self.plan.health_timeout:g}s",
-                    hint=f"read the log: {first.plan.log_path}",
-                    detail=self._tail_text(first.plan.log_path),
-                )
-            if pending:
-                self.changed.wait(min(delay, 0.05))
-                self.changed.clear()
-                delay *= 2
 
     def _ours(self, listed: list) -> dict:
         """The plan's server address → the registry entry our runner made for it. The pid and
@@ -291,7 +240,7 @@ class Supervisor:
                 if e.marker == self.plan.marker and (not key or not apikeys.unproven(key, e))}  # fmt: skip
 
     def _process_record(self, proc: _Proc) -> records.ProcessRecord:
-        return next(r for r in self.record.processes if r.pid == proc.popen.pid)
+        return next(r for r in self.rec.processes if r.pid == proc.popen.pid)
 
     def _follow_servers(self) -> None:
         """The record follows a server its runner started again (launchers/replica.py): the
@@ -308,9 +257,10 @@ class Supervisor:
         except (ArealError, OSError):
             return  # the registry is down for a moment: the record keeps what it had
         changed = False
-        for proc in self.procs:
-            if proc.plan.role != "server" or proc.lost or not proc.healthy:
-                continue
+        for i in sorted(set(self.life.ready) - self.life.lost):
+            proc = self._server(i)
+            if proc.exit_code() is not None:
+                continue  # its runner ended: the replica is lost, the record keeps its pid
             rec, e = self._process_record(proc), ours.get(proc.plan.addr)
             now_serving = (e.pid, e.pid_create_time) if e is not None else None
             if now_serving and now_serving != (rec.server_pid, rec.server_create_time):
@@ -322,14 +272,14 @@ class Supervisor:
                 changed = True
         if changed:
             try:
-                records.write(self.home, self.record)
+                records.write(self.home, self.rec)
             except ArealError:
                 pass  # a full disk: the next change, or the end, is written when it can be
 
     def _live_servers(self) -> list[int]:
         """The recorded servers that still run: the same processes (by their create time),
         never a later owner of a pid, which the teardown would kill."""
-        return [r.server_pid for r in self.record.processes if r.role == "server" and r.server_pid
+        return [r.server_pid for r in self.rec.processes if r.role == "server" and r.server_pid
                 and r.server_create_time
                 and procs.pid_alive(r.server_pid, r.server_create_time)]  # fmt: skip
 
@@ -348,89 +298,137 @@ class Supervisor:
 
         procs.wait_until(bound, timeout=60.0, cap=0.1)
         if port:
-            rec = next(r for r in self.record.processes if r.pid == proc.popen.pid)
+            rec = next(r for r in self.rec.processes if r.pid == proc.popen.pid)
             rec.addr = f"127.0.0.1:{port[0]}"
-            records.write(self.home, self.record)
+            records.write(self.home, self.rec)
 
-    def _watch(self) -> int:
-        trainers = [p for p in self.procs if p.plan.role == "trainer"]
-        if trainers and self.plan.watchdog > 0:
-            self._start_watchdog(trainers)
-        while not self.stop_requested.is_set():
-            for proc in trainers:
-                code = proc.exit_code()
-                if code is not None:
-                    self._record_exit(proc, code)
-                    self.on_event("trainer_exit", {"label": proc.label, "code": code})
-                    if code == 0:
-                        return 0
-                    if not self._restart(code):
-                        raise self._failure(proc, code, "")
-                    trainers = [p for p in self.procs if p.plan.role == "trainer"]
-                    break
-            for proc in [p for p in self.procs if p.plan.role == "server" and not p.lost]:
-                code = proc.exit_code()
-                if code is not None:
-                    proc.lost = True
-                    self._reap_replica(proc)
-                    self._record_exit(proc, code)
-                    self.on_event(
-                        "server_lost",
-                        {
-                            "label": proc.label,
-                            "addr": proc.plan.addr,
-                            "why": describe_exit(code),
-                            "tail": logfiles.tail(proc.plan.log_path, TAIL_LINES),
-                        },
-                    )
-                    if not trainers and all(p.lost for p in self.procs if p.plan.role == "server"):
-                        raise self._failure(proc, code, "(no replica left)")
-            self._follow_servers()
-            # Bounded: a signal the kernel hands to another thread (SIGINT right after a
-            # SIGCONT) runs its Python handler only when this thread next wakes.
-            self.changed.wait(0.5)
-            self.changed.clear()
-        if self._stalled is not None:
-            s = self._stalled
-            raise LaunchError(
-                f"watchdog: {s.headline()}",
-                detail=f"no rank progressed for {watchdog.stall_limit(s, self.plan.watchdog)}",
-                hint=f"the stacks, flight recorder dumps and last log lines: {s.bundle}"
-                + (f" (incomplete: {s.bundle_error})" if s.bundle_error else "")
-                if s.bundle
-                else f"no bundle was kept: {s.bundle_error}",
-            )
-        return self.stop_code
+    def _watchdog_failure(self, s) -> LaunchError:
+        """The job's end when its watchdog stopped the trainers (--watchdog-action fail)."""
+        return LaunchError(
+            f"watchdog: {s.headline()}",
+            detail=f"no rank progressed for {watchdog.stall_limit(s, self.plan.watchdog)}",
+            hint=f"the stacks, flight recorder dumps and last log lines: {s.bundle}"
+            + (f" (incomplete: {s.bundle_error})" if s.bundle_error else "")
+            if s.bundle
+            else f"no bundle was kept: {s.bundle_error}",
+        )
 
-    def _restart(self, code: int) -> bool:
-        """After a trainer failed: the trainer group started again when the root cause says a
-        restart may pass and the budget lasts (lifecycle.restart_trainers, over this
-        supervisor's processes and record). True when the trainers run again, or a stop came
-        meanwhile."""
-        return restart_trainers(self, self.plan, code, self.stop_requested)
+    # -- the Lifecycle's transport --------------------------------------------------------
+
+    @property
+    def what(self) -> str:
+        return f"job {self.plan.experiment}/{self.plan.trial}"
+
+    def place(self) -> None:
+        for p in self.plan.servers:
+            self._spawn(p)
+
+    def registered(self, pending: list[int]) -> dict[int, dict]:
+        """The replicas whose runner registered its server (it does so once the server
+        answers /health); the record takes the server's pid and where others reach it."""
+        try:
+            listed = self.registry.list(self.plan.experiment, self.plan.trial).servers
+        except ArealError:
+            return {}  # the registry is down for a moment; the runner keeps trying
+        ours = self._ours(listed)
+        found = {}
+        for i in pending:
+            e = ours.get(self.plan.servers[i].addr)
+            if e is None:
+                continue
+            rec = self._process_record(self._server(i))
+            rec.server_pid, rec.server_create_time = e.pid, e.pid_create_time
+            rec.addr = e.addr  # where others reach it (a wildcard bind advertises an IP)
+            records.write(self.home, self.rec)
+            found[i] = {"addr": e.addr}
+        return found
+
+    def not_registered(self, pending: list[int]) -> WaitTimeout:
+        first = self.plan.servers[pending[0]]
+        return WaitTimeout(
+            f"{', '.join(self.plan.servers[i].label for i in pending)} not registered after "
+            f"{self.plan.health_timeout:g}s",
+            hint=f"read the log: {first.log_path}",
+            detail=tail_text(first.log_path),
+        )
+
+    def servers_ready(self) -> None:
+        self.life.check_stop()  # a stop while they started: no trainer starts
+        self._set_state("running")
+        self.on_event("ready", {"servers": [p.addr for p in self.plan.servers]})
+
+    def wait(self, seconds: float) -> None:
+        # `changed` wakes it the moment a runner exits or a stop is asked. Bounded: a signal
+        # the kernel hands to another thread (SIGINT right after a SIGCONT) runs its Python
+        # handler only when this thread next wakes.
+        self.changed.wait(seconds)
+        self.changed.clear()
+
+    def look(self) -> int | None:
+        """The trainers: one that ended well ends the job; one that failed is restarted when
+        the root cause allows (lifecycle.restart_trainers over these processes and record),
+        else it is the failure. The record follows restarted servers."""
+        for proc in self._trainers():
+            code = proc.exit_code()
+            if code is None:
+                continue
+            self._record_exit(proc, code)
+            self.on_event("trainer_exit", {"label": proc.label, "code": code})
+            if code == 0:
+                return 0
+            if not lifecycle.restart_trainers(self, self.plan, code, self.stop_requested):
+                raise self._trainer_failure(proc, code)
+            break
+        self._follow_servers()
+        return None
+
+    def exit_code(self, label: str) -> int | None:
+        return next((p.exit_code() for p in self.procs if p.label == label), None)
+
+    def server_lost(self, index: int) -> None:
+        proc = self._server(index)
+        self._reap_replica(proc)
+        self._record_exit(proc, proc.exit_code())
+        self._last_lost = index
+
+    def servers_gone(self) -> None:
+        p = self.plan.servers[self._last_lost]
+        code = self._server(self._last_lost).exit_code()
+        raise lifecycle.failure(p.label, code, p.log_path, "(no replica left)")
+
+    def cancel(self, reason: str) -> None:
+        """Nothing here: the teardown that follows in supervise() ends the job and records
+        why (the failure's message, or the stop's reason)."""
+
+    def stopped(self, reason: str) -> None:
+        """Nothing here either: the teardown says "stopping" and ends the job."""
+
+    def _server(self, index: int) -> _Proc:
+        return next(p for p in self.procs if p.plan.role == "server" and p.plan.index == index)
+
+    def _trainers(self) -> list[_Proc]:
+        return [p for p in self.procs if p.plan.role == "trainer"]
 
     # -- what a restart asks of the supervisor (lifecycle.Restarts) -----------------------
 
     def stop_trainers(self) -> None:
-        self._stop_trainers([p for p in self.procs if p.plan.role == "trainer"])
+        self._stop_trainers(self._trainers())
 
     def decisions(self) -> list[dict]:
-        return self.record.restarts
+        return self.rec.restarts
 
     def start_trainers(self, attempt: int) -> None:
         """The failed group's records go; the group starts again, AREAL_RESTART=<n> in its
         environment, and its watchdog with it."""
-        for proc in [p for p in self.procs if p.plan.role == "trainer"]:
+        for proc in self._trainers():
             self.procs.remove(proc)
-            self.record.processes = [r for r in self.record.processes if r.pid != proc.popen.pid]
+            self.rec.processes = [r for r in self.rec.processes if r.pid != proc.popen.pid]
         for p in self.plan.trainers:
             if self.stop_requested.is_set():  # Ctrl-C during the restart: the teardown is next
                 break
             self._spawn(p, {restart.ENV: str(attempt)})
             self._record_rendezvous(self.procs[-1])
-        trainers = [p for p in self.procs if p.plan.role == "trainer"]
-        if trainers and self.plan.watchdog > 0:
-            self._start_watchdog(trainers)
+        self._start_watchdog()
 
     def _stop_trainers(self, old: list[_Proc]) -> None:
         """The failed group's processes, whatever is left: its launchers' trees and ranks that
@@ -456,9 +454,9 @@ class Supervisor:
     def tell(self, decision) -> None:
         """One line per decision: the event (the terminal, or the daemon's log), the job
         record (`areal ps`) and, in the foreground, the supervisor's log in the log folder."""
-        self.record.restarts.append({**decision.to_json(), "time": time.time()})
+        self.rec.restarts.append({**decision.to_json(), "time": time.time()})
         try:
-            records.write(self.home, self.record)
+            records.write(self.home, self.rec)
         except ArealError:
             pass  # a full disk: the line is still said, and the end is recorded
         self.on_event("restart", decision.to_json())
@@ -472,8 +470,11 @@ class Supervisor:
         except OSError:
             pass  # a full disk: the terminal and the record still have the line
 
-    def _start_watchdog(self, trainers: list[_Proc]) -> None:
-        roots = [p.popen.pid for p in trainers]
+    def _start_watchdog(self) -> None:
+        """The watchdog of the trainers that run now (none with --watchdog 0)."""
+        roots = [p.popen.pid for p in self._trainers()]
+        if not roots or self.plan.watchdog <= 0:
+            return
         name = f"{self.plan.experiment}/{self.plan.trial}"
         self._watchdog = watchdog.Watchdog(
             self.plan.watchdog,
@@ -517,9 +518,9 @@ class Supervisor:
 
     def _on_stall(self, stall) -> None:
         line = watchdog.log_line(self.plan.log_dir, stall, self.plan.watchdog)
-        self.record.watchdog = stall.to_json()
+        self.rec.watchdog = stall.to_json()
         try:
-            records.write(self.home, self.record)
+            records.write(self.home, self.rec)
         except ArealError:
             pass  # a full disk: the verdict is still said and acted on; the end is recorded
         self.on_event("stall", {**stall.to_json(), "line": line})
@@ -560,7 +561,7 @@ class Supervisor:
         # Reaped processes' pids may already belong to someone else: only live ones are roots.
         # The servers too: one whose runner was killed is in no runner's tree any more.
         live = [p.popen.pid for p in self.procs if p.popen.poll() is None]
-        live += self._live_servers() if self.record else []
+        live += self._live_servers() if self.rec else []
         procs.kill_job(self.plan.marker, live, grace=5.0)
         self._resume_servers()
         for proc in self.procs:
@@ -585,12 +586,12 @@ class Supervisor:
                 self._reaper.wait(timeout=2)
             except subprocess.TimeoutExpired:
                 self._reaper.kill()
-        if self.record:
-            self.record.state = state
-            self.record.message = message
-            self.record.detail = detail
-            self.record.exit_code = code
-            records.write(self.home, self.record)
+        if self.rec:
+            self.rec.state = state
+            self.rec.message = message
+            self.rec.detail = detail
+            self.rec.exit_code = code
+            records.write(self.home, self.rec)
         self.claim.release()
 
     def _deregister_job(self) -> None:
@@ -606,7 +607,7 @@ class Supervisor:
 
     def _start_record(self) -> None:
         me = os.getpid()
-        self.record = records.JobRecord(
+        self.rec = records.JobRecord(
             experiment=self.plan.experiment,
             trial=self.plan.trial,
             kind=self.plan.kind,
@@ -622,18 +623,18 @@ class Supervisor:
             model=self.plan.model_path,
             api_key_file=self.plan.api_key_file,
         )
-        records.write(self.home, self.record)
+        records.write(self.home, self.rec)
 
     def _set_state(self, state: str) -> None:
-        self.record.state = state
-        records.write(self.home, self.record)
+        self.rec.state = state
+        records.write(self.home, self.rec)
 
     def _record_exit(self, proc: _Proc, code: int, write: bool = True) -> None:
-        for r in self.record.processes:
+        for r in self.rec.processes:
             if r.pid == proc.popen.pid:
                 r.exit_code = code
         if write:
-            records.write(self.home, self.record)
+            records.write(self.home, self.rec)
 
     def _start_reaper(self) -> None:
         me = os.getpid()
@@ -653,33 +654,17 @@ class Supervisor:
 
     # -- failure reports ------------------------------------------------------------------
 
-    def _failure(self, proc: _Proc, code: int, when: str) -> LaunchError:
-        label, log = proc.label, proc.plan.log_path
-        tail = self._tail_text(log)
-        died_of, hint = None, None
-        if proc.plan.role == "trainer":
-            rank, rank_code, died_of, hint, _ = explain_failure(Path(self.plan.log_dir), [log])
-            if rank is not None:
-                label = f"rank-{rank}"
-                if rank_code is not None and rank_code != code:
-                    when = f"{when} (torchrun exited {code})".strip()
-                    code = rank_code
-                log = os.path.join(self.plan.log_dir, f"rank-{rank}.log")
-                tail = self._tail_text(log)
-        what = f"{label} failed {when}".strip()
-        full = files.full_filesystem(log)
-        if full:  # its output could not be written: that is what it died of, most likely
-            died_of = f"the filesystem of its log is full: {full}" + (
-                f"; {died_of}" if died_of else ""
-            )
-            hint = "free space there, or point AREAL_HOME (--home) at a filesystem with room"
-        died_of = f"; {died_of}" if died_of else ""
-        hint = f"full log: {log}" + (f"; {hint}" if hint else "")
-        return LaunchError(f"{what}: {describe_exit(code)}{died_of}", detail=tail, hint=hint)
-
-    @staticmethod
-    def _tail_text(path: str) -> str:
-        return tail_text(path)
+    def _trainer_failure(self, proc: _Proc, code: int) -> LaunchError:
+        """The trainers failed: the rank torchrun's report names, with its own exit code."""
+        label, log, when = proc.label, proc.plan.log_path, ""
+        rank, rank_code, died_of, hint, _ = explain_failure(Path(self.plan.log_dir), [log])
+        if rank is not None:
+            label = f"rank-{rank}"
+            if rank_code is not None and rank_code != code:
+                when = f"(torchrun exited {code})"
+                code = rank_code
+            log = os.path.join(self.plan.log_dir, f"rank-{rank}.log")
+        return lifecycle.failure(label, code, log, when, died_of, hint)
 
 
 def _local_addr(addr: str, plan: Plan) -> str:
@@ -701,7 +686,7 @@ def run_daemon(plan_path: str, home: str, slot_fds: list[int]) -> int:
     )
     signal.signal(signal.SIGINT, lambda *_: sup.request_stop("interrupted"))
     try:
-        return sup.run()
+        return sup.supervise()
     except ArealError as e:
         print(f"error: {e.message}", flush=True)
         return e.exit_code
