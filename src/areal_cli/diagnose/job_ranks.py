@@ -12,6 +12,9 @@ from areal_cli.diagnose.targets import Job, NoSuchProcess, RankProc, Tree, exite
 from areal_cli.errors import ArealError, UsageError
 from areal_cli.registry import open_registry
 
+# Seconds a doctor waits for the ranks of a local training job that is still starting them.
+RANKS_START_S = 30.0
+
 
 def from_record(
     record, reach: Callable | None = None, lead: float = 0.5, what: str | None = None
@@ -30,12 +33,25 @@ def from_record(
 
 
 def _from_local_record(job) -> Job:
-    tree = Tree()
-    roots = [p for p in job.pids if procs.pid_alive(p)]
-    candidates = {pid for root in roots for pid in tree.descendants(root)}
-    if job.marker:
-        candidates.update(p.pid for p in procs.find_marked(job.marker))
-    ranks = tree.topmost_ranks(candidates)
+    ranks = _local_ranks(job)
+    if not ranks and _starting(job):
+        # `areal train --detach` returns once the job is placed, before torchrun has spawned
+        # its ranks: a doctor asked right then waits for them rather than calling the job dead.
+        found: list = []
+
+        def started() -> bool:
+            found[:] = _local_ranks(job)
+            return bool(found) or not _starting(job)
+
+        procs.wait_until(started, timeout=RANKS_START_S, cap=0.25)
+        ranks = found
+        if not ranks and _starting(job):
+            raise UsageError(
+                f"job {job.handle.name} is {job.state} but its ranks have not started after "
+                f"{RANKS_START_S:g}s",
+                hint=f"`areal ps` says what it waits for; `areal logs {job.handle.name} --role "
+                "torchrun` shows its launcher's lines",
+            )
     if not ranks:
         raise UsageError(
             f"job {job.handle.name} has no live rank processes on this host (state: {job.state})",
@@ -44,6 +60,21 @@ def _from_local_record(job) -> Job:
     launcher = next((p for p in job.pids[1:] if procs.pid_alive(p)), None)
     return Job(label=f"job {job.handle.name}", ranks=number(ranks), launcher_pid=launcher,
                name=job.handle.name)  # fmt: skip
+
+
+def _local_ranks(job) -> list:
+    tree = Tree()
+    roots = [p for p in job.pids if procs.pid_alive(p)]
+    candidates = {pid for root in roots for pid in tree.descendants(root)}
+    if job.marker:
+        candidates.update(p.pid for p in procs.find_marked(job.marker))
+    return tree.topmost_ranks(candidates)
+
+
+def _starting(job) -> bool:
+    """A training job whose supervisor runs and has not ended it: its ranks are on the way."""
+    return (job.handle.kind == "train" and job.state in ("starting", "running")
+            and bool(job.pids) and procs.pid_alive(job.pids[0]))  # fmt: skip
 
 
 def _from_cluster_record(job, reach: Callable, lead: float, what: str) -> Job:
