@@ -1,7 +1,7 @@
 """Servers that heal on the cluster schedulers: the replica runner is the same in a Slurm
 step and in a Ray actor, so a server SIGKILLed there comes back on its address, registered
-again with its restart counted, and the job's stop leaves nothing (stand-in servers,
-tests/fixtures/fake_python.py; the clusters of tests/services.py)."""
+again with its restart counted (`areal ps` lists it all along), and the job's stop leaves
+nothing (stand-in servers, tests/fixtures/fake_python.py; the clusters of tests/services.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,12 @@ def _killed_server_comes_back(scheduler: str, registry) -> None:
         os.kill(entry.pid, signal.SIGKILL)
 
         def back():
+            # While it heals (out of discovery, then started again) `areal ps` still lists
+            # the replica, on its address, and the job as running: never a missing row.
+            (job,) = [j for j in json.loads(areal("ps", "--json", check=0).stdout)
+                      if j["scheduler"] == scheduler]  # fmt: skip
+            assert [s["addr"] for s in job["servers"]] == [entry.addr], job
+            assert job["state"] == "running", job
             listed = reg.list("default", "trial0").servers
             return listed if listed and listed[0].restarts == 1 else None
 

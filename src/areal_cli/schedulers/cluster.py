@@ -78,11 +78,26 @@ class ClusterScheduler(Scheduler):
     def _replica_rows(
         self, rec, entries: list, ended: dict, health: dict, paused: dict
     ) -> tuple[list[ServerStatus], int]:
-        """The rows of a live job's replicas in `areal ps` (its registered servers, then the
-        ended ones), and how many replicas have shown up: fewer than the job's, it is still
-        starting."""
-        rows = [server_row(e, health, paused) for e in entries] + ended_rows(ended)
-        return rows, len(entries) + len(ended)
+        """The rows of a live job's replicas in `areal ps`, in replica order: its registered
+        servers; those that registered once but are out of discovery now (a runner takes its
+        server out while it does not answer, and while it starts it again), unhealthy; then
+        the ended ones. And how many replicas have shown up (registered once, or ended):
+        fewer than the job's, it is still starting."""
+        order = replica_order(rec)
+        entries = sorted(entries, key=lambda e: order.get(e.addr, len(order)))
+        rows = [server_row(e, health, paused) for e in entries]
+        listed = {e.addr for e in entries}
+        gone = {addr for _, addr in ended.values()}
+        rows += [ServerStatus(addr=addr, healthy=False) for addr in sorted(order, key=order.get)
+                 if addr not in listed and addr not in gone]  # fmt: skip
+        rows += ended_rows(ended)  # a replica's runner ended (`scancel J.S`, a crash, ray kill)
+        if ended:
+            from areal_cli.schedulers.common import describe_exit
+
+            rec.reason = "; ".join(
+                f"server-{i} ended ({describe_exit(code)})" for i, (code, _) in ended.items()
+            )
+        return rows, len(set(order.values()) | set(ended))
 
     def _stall(self, rec) -> dict | None:
         """The last stall the job's watchdog diagnosed (its verdict, bundle), if it keeps one."""
@@ -205,6 +220,18 @@ class ClusterScheduler(Scheduler):
             return rec.live
 
         return rec.name, Path(rec.log_dir), live, 1.0
+
+
+def replica_order(rec) -> dict[str, int]:
+    """addr → replica index, from the ready files the replica runners leave in the run folder
+    (the registry does not know which replica a server is)."""
+    out = {}
+    for path in Path(rec.run_dir).glob("server-*.ready"):
+        try:
+            out[json.loads(path.read_text())["addr"]] = int(path.stem.split("-")[1])
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+    return out
 
 
 def server_row(e, health: dict, paused: dict) -> ServerStatus:

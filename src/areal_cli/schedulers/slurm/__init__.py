@@ -17,12 +17,10 @@ Importing this package runs no Slurm command: `areal ps` lists every scheduler.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from areal_cli import settings
 from areal_cli.errors import ArealError, UsageError
-from areal_cli.schedulers.api import LIVE, Handle, RunOpt, ServerStatus, StopResult
-from areal_cli.schedulers.cluster import ClusterScheduler, ended_rows, server_row
+from areal_cli.schedulers.api import LIVE, Handle, RunOpt, StopResult
+from areal_cli.schedulers.cluster import ClusterScheduler
 
 
 class SlurmScheduler(ClusterScheduler):
@@ -52,25 +50,6 @@ class SlurmScheduler(ClusterScheduler):
             for r in recs:
                 if r.live:
                     r.reason = f"squeue: {e.message}"
-
-    def _replica_rows(self, rec, entries, ended, health, paused):
-        order = _replica_order(rec)
-        entries = sorted(entries, key=lambda e: order.get(e.addr, len(order)))
-        servers = [server_row(e, health, paused) for e in entries]
-        # A replica that registered once but is out of discovery now (its runner took it out
-        # while it does not answer) is listed too, unhealthy.
-        listed = {e.addr for e in entries}
-        gone = {addr for _, addr in ended.values()}
-        servers += [ServerStatus(addr=addr, healthy=False) for addr in sorted(order, key=order.get)
-                    if addr not in listed and addr not in gone]  # fmt: skip
-        servers += ended_rows(ended)  # a step ended (`scancel J.S`, a crash)
-        if ended:
-            from areal_cli.schedulers.common import describe_exit
-
-            rec.reason = "; ".join(
-                f"server-{i} ended ({describe_exit(code)})" for i, (code, _) in ended.items()
-            )
-        return servers, len(set(order.values()) | set(ended))  # registered once, or ended
 
     def _stall(self, rec) -> dict | None:
         """The last stall the job's watchdog diagnosed (it runs in the batch job)."""
@@ -114,17 +93,3 @@ class SlurmScheduler(ClusterScheduler):
         cancelled = f"Slurm job {rec.job_id}" if was_running else None
         return StopResult(rec.name, was_running, int(was_running), deregistered, cancelled,
                           left=left)  # fmt: skip
-
-
-def _replica_order(rec) -> dict[str, int]:
-    """addr → replica index, from the files the replica runners leave in the run folder (the
-    registry does not know which replica a server is; its log file does: server-N.log)."""
-    import json
-
-    out = {}
-    for path in Path(rec.run_dir).glob("server-*.ready"):
-        try:
-            out[json.loads(path.read_text())["addr"]] = int(path.stem.split("-")[1])
-        except (OSError, ValueError, KeyError, IndexError):
-            continue
-    return out
